@@ -1,0 +1,126 @@
+"""Types that cross process boundaries: plain dataclasses of ints, floats, strings and lists.
+
+Worker -> router: KVEventBatch (numbered per worker epoch), KVSnapshot (on resync), WorkerLoad.
+Ingress -> worker -> ingress: EngineRequest in, TokenDelta out (streamed), RequestOutput (final,
+offline API). Never a tensor.
+"""
+
+from dataclasses import dataclass, field
+
+from kvmesh.sampling_params import SamplingParams
+
+
+# ---- KV events -------------------------------------------------------------------------------
+
+@dataclass
+class BlockStored:
+    """Full blocks that became cached, in chain order; parent_hash is the block before the first."""
+    block_hashes: list[int]
+    parent_hash: int | None
+    num_tokens: int  # tokens covered by these blocks (len(block_hashes) * block_size)
+
+
+@dataclass
+class BlockRemoved:
+    """Blocks whose cached content was evicted (their slots were reused)."""
+    block_hashes: list[int]
+
+
+@dataclass
+class AllCleared:
+    """The worker dropped its whole prefix cache."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared
+
+
+@dataclass
+class KVEventBatch:
+    """Events of one engine step. `epoch` changes when the worker (re)starts; `seq` counts batches
+    within an epoch from 0 with no gaps, so a consumer can tell when it missed one."""
+    worker_id: str
+    epoch: int
+    seq: int
+    events: list[KVEvent]
+    timestamp: float = 0.0
+
+
+@dataclass
+class KVSnapshot:
+    """Every block hash a worker holds, as of batch `seq` of `epoch` (the next batch is seq + 1)."""
+    worker_id: str
+    epoch: int
+    seq: int
+    block_hashes: list[int]
+    block_size: int = 16
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+@dataclass
+class WorkerLoad:
+    worker_id: str
+    running: int = 0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+    running_decode_tokens: int = 0  # context tokens of running requests (KV read per decode step)
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    healthy: bool = True
+    timestamp: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        if self.kv_total_blocks == 0:
+            return 0.0
+        return 1.0 - self.kv_free_blocks / self.kv_total_blocks
+
+
+# ---- requests and outputs --------------------------------------------------------------------
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    prompt: str | None = None
+
+
+@dataclass
+class TokenDelta:
+    """What one engine step produced for one request (streamed to the caller)."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including these
+    logprobs: list[float] | None = None  # of each sampled token in token_ids
+    top_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as the offline `LLM.generate` returns it."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    metrics: dict = field(default_factory=dict)
