@@ -45,3 +45,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"",
         h = digest(h.to_bytes(8, "little") + packed[start:start + stride])
         hashes.append(h)
     return hashes
+
+
+def model_salt(model_name: str) -> bytes:
+    """The salt for a model's blocks: worker and router derive it from the same model name."""
+    return model_name.encode("utf-8")

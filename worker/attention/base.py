@@ -1,0 +1,96 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+KV cache layout (all backends): per layer, k_cache and v_cache of shape
+[num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged layout, flashinfer's NHD).
+A token's slot is block_id * block_size + offset_in_block.
+
+One forward step covers a flat batch of T new tokens from S sequences, mixing decodes (one new
+token) and prompt chunks (many, possibly after a cached or previously computed prefix). Sequence i
+owns new tokens query_start_loc[i]:query_start_loc[i+1]; its context after this step is
+seq_lens[i] tokens, of which the first seq_lens[i] - query_lens[i] were already in the cache.
+Attention is causal over the whole context.
+"""
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [S + 1] int32, on device (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [S] int32, on device: context length including this step's tokens
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, on device, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64, on device: where each new token's K/V is written
+    query_lens_cpu: list[int]  # [S]
+    seq_lens_cpu: list[int]  # [S]
+    max_query_len: int
+    max_seq_len: int
+    num_decode_tokens: int = 0  # sequences are ordered decodes first; these have query_len 1
+    extra: dict = field(default_factory=dict)  # backend-private state built in plan()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """One object per model runner; `plan` runs once per step, `forward` once per layer."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 scale: float, device: torch.device, dtype: torch.dtype):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = scale
+        self.device = device
+        self.dtype = dtype
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Per-step preparation shared by all layers (index buffers, kernel plans)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Write k, v ([T, Hkv, D]) into the caches at metadata.slot_mapping, then attend.
+
+        q: [T, H, D]. Returns [T, H, D].
+        """
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    backend: AttentionBackend
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+_forward_context: ContextVar[ForwardContext | None] = ContextVar("kvmesh_forward_context", default=None)
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    """Scope the step's attention metadata to one model forward (no bare module global)."""
+    token = _forward_context.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _forward_context.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _forward_context.get()
+    if ctx is None:
+        raise RuntimeError("attention called outside forward_context()")
+    return ctx
