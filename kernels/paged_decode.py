@@ -1,0 +1,122 @@
+"""Paged attention for decode (one new token per sequence), split along the KV length, then merged.
+
+One program per (sequence, KV head, split) reads that split's keys once for all the query heads of
+the group (GQA inside the kernel: the group's heads are the rows of one tl.dot, padded to 16).
+Splitting the context keeps the GPU busy when there are few sequences with long contexts; a second
+small kernel merges the splits by their log-sum-exp. The number of splits is fixed at launch and
+each split covers ceil(context / splits) keys computed on the device, so one launch configuration
+serves any context length (what a CUDA graph needs).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, seq_lens, block_tables,
+                         scale_log2,
+                         stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+                         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(seq_lens + seq)
+    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(ctx_len, start + split_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_q_token + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    table = block_tables + seq * stride_block_table
+    kv_base = kv_head * stride_cache_head
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block_ids = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        slot_off = block_ids * stride_cache_block + (offs_n % PAGE) * stride_cache_slot + kv_base
+        k = tl.load(k_cache + slot_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
+        v = tl.load(v_cache + slot_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        s = tl.dot(q, k) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_o_token + heads[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        empty = l_i == 0.0  # a split past the end of a short context
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [S, H, splits] flattened
+        tl.store(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out, part_lse, out_ptr, stride_o_token, stride_o_head,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse + row0 + offs_s, mask=s_mask, other=float("-inf"))
+    weight = tl.math.exp2(lse - tl.max(lse, 0))  # empty splits weigh 0
+    parts = tl.load(part_out + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq * stride_o_token + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough programs for ~2 waves over the SMs, but at least 256 keys per split."""
+    if num_seqs * num_kv_heads >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int) -> None:
+    """q, out: [S, H, D] (one token per sequence); caches [num_blocks, page, Hkv, D];
+    seq_lens: [S] context lengths including the new token (already stored); block_tables: [S, max_blocks]."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, HEAD_DIM=head_dim,
+        BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4)

@@ -1,0 +1,46 @@
+"""Write one step's new K/V into the paged pool by slot mapping, in one launch.
+
+Cache layout (see kvmesh.worker.attention.base): [num_blocks, block_size, num_kv_heads, head_dim],
+so slot s addresses row s of the cache viewed as [num_blocks * block_size, num_kv_heads * head_dim].
+A negative slot (padding in a CUDA-graph batch) is skipped.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping,
+                          stride_k_token, stride_v_token, stride_cache_slot,
+                          ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(key + token * stride_k_token + offs, mask=mask)
+    v = tl.load(value + token * stride_v_token + offs, mask=mask)
+    tl.store(k_cache + slot * stride_cache_slot + offs, k, mask=mask)
+    tl.store(v_cache + slot * stride_cache_slot + offs, v, mask=mask)
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """key, value: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    row = num_kv_heads * head_dim
+    # heads and head_dim of one token must be one contiguous row (true for views split off a qkv matmul)
+    if key.stride(-1) != 1 or key.stride(-2) != head_dim:
+        key = key.contiguous()
+    if value.stride(-1) != 1 or value.stride(-2) != head_dim:
+        value = value.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.shape[2] * k_cache.shape[3] == row, "cache heads/head_dim do not match key"
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), value.stride(0), row,
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
