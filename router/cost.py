@@ -1,0 +1,44 @@
+"""The kv_events cost of sending a request to each worker, in prefill-token equivalents.
+
+cost_w = prefill * (prompt tokens - cached_w)                  new prefill work after the cached prefix
+       + queued_prefill * waiting_prefill_tokens_w             work queued ahead of it
+       + running_decode * running_decode_tokens_w              decode steps it shares (KV read per step)
+       + kv_pressure * kv_usage_w ** 2                         evictions / preemption as the pool fills
+
+Units are prefill tokens: a queued prefill token delays the request as much as one of its own, so both
+weigh 1. A running context token makes every shared step read 114,688 more bytes (Qwen3-0.6B shape),
+~27 ns at 4.23 TB/s, against ~3 us per prefill token: ~0.01 per step; a request shares a few steps
+with each, hence 0.02. The defaults were checked on the simulator (docs/ROUTING.md).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.router.workers import LoadColumns
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    prefill: float = 1.0  # per uncached prompt token
+    queued_prefill: float = 1.0  # per prompt token already waiting on the worker
+    running_decode: float = 0.02  # per context token of the worker's running requests
+    kv_pressure: float = 512.0  # tokens-equivalent of a completely full KV pool
+
+    def __post_init__(self):
+        for name in ("prefill", "queued_prefill", "running_decode", "kv_pressure"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def worker_costs(num_prompt_tokens: int, cached_tokens: np.ndarray, cols: LoadColumns,
+                 weights: CostWeights) -> np.ndarray:
+    """[n] cost per worker; `cached_tokens[i]` = prompt tokens worker i holds (leading blocks)."""
+    cost = weights.prefill * (num_prompt_tokens - cached_tokens)
+    if weights.queued_prefill:
+        cost += weights.queued_prefill * cols.waiting_prefill_tokens
+    if weights.running_decode:
+        cost += weights.running_decode * cols.running_decode_tokens
+    if weights.kv_pressure:
+        cost += weights.kv_pressure * np.square(cols.kv_usage)
+    return cost

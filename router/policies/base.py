@@ -1,0 +1,69 @@
+"""The policy protocol: `rank(request, workers) -> worker ids, best first`.
+
+Every policy ranks only healthy workers: eligible ones (below their cap) first, in the policy's
+order, then the full ones, least outstanding first, as spill-over (Ray Serve tries the next rank when a
+replica rejects). Unhealthy workers are never returned. Policies may keep state (a round-robin
+counter, a hash ring, a routing-history tree); they assume the first worker returned is the one used.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvmesh.router.workers import LoadColumns, WorkerState
+
+
+@dataclass
+class RouteRequest:
+    block_hashes: list[int]  # kvmesh.hashing.block_hashes(prompt_token_ids, block_size, salt)
+    num_prompt_tokens: int
+    session_key: str | None = None
+    request_id: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Policy:
+    """Base class; subclasses set `name` and implement `rank`."""
+    name = "base"
+
+    def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
+        raise NotImplementedError
+
+    def add_worker(self, worker_id: str) -> None:
+        """A worker joined (stateful policies update their structures)."""
+
+    def remove_worker(self, worker_id: str) -> None:
+        """A worker left."""
+
+
+def rank_by_score(score: np.ndarray, cols: LoadColumns, rng: np.random.Generator) -> list[str]:
+    """Eligible workers by ascending score (a tie for the best broken at random), then spill-over."""
+    eligible_idx = np.flatnonzero(cols.eligible)
+    ids = cols.ids
+    ranked: list[str] = []
+    if len(eligible_idx):
+        scores = score[eligible_idx]
+        order = eligible_idx[np.argsort(scores, kind="stable")]
+        best = scores.min()
+        num_tied = int(np.count_nonzero(scores == best))
+        if num_tied > 1:
+            pick = int(rng.integers(num_tied))
+            order[0], order[pick] = order[pick], order[0]
+        ranked = [ids[i] for i in order]
+    return ranked + spill_over(cols)
+
+
+def ranked_order(order: Sequence[int], cols: LoadColumns) -> list[str]:
+    """Given eligible row indices in the policy's order, append the spill-over."""
+    ids = cols.ids
+    return [ids[i] for i in order] + spill_over(cols)
+
+
+def spill_over(cols: LoadColumns) -> list[str]:
+    """Healthy workers at or past their cap, least outstanding first."""
+    full = np.flatnonzero(cols.healthy & (cols.outstanding >= cols.cap))
+    if not len(full):
+        return []
+    ids = cols.ids
+    return [ids[i] for i in full[np.argsort(cols.outstanding[full], kind="stable")]]

@@ -1,0 +1,21 @@
+"""least_loaded: fewest outstanding requests, then fewest queued prefill tokens; ties at random."""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvmesh.router.policies.base import Policy, RouteRequest, rank_by_score
+from kvmesh.router.workers import WorkerState, columns_of
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def __init__(self, seed: int | None = None):
+        self._rng = np.random.default_rng(seed)
+
+    def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
+        cols = columns_of(workers)
+        # Queued prefill tokens break ties between equal request counts (a fraction of one request).
+        score = cols.outstanding + cols.waiting_prefill_tokens / (1.0 + cols.waiting_prefill_tokens.max())
+        return rank_by_score(score, cols, self._rng)

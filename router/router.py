@@ -1,0 +1,100 @@
+"""Router: the KV index, the workers' loads and a policy behind one lock.
+
+The Serve request router (or the simulator) feeds it events, snapshots and loads, and asks it for a
+ranking; every public method takes the lock, so it may be called from any thread.
+"""
+
+import threading
+from collections.abc import Sequence
+
+from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
+from kvmesh.router.index import KVIndex
+from kvmesh.router.policies import DEFAULT_POLICY, make_policy
+from kvmesh.router.policies.base import RouteRequest
+from kvmesh.router.workers import WorkerSet, WorkerState
+
+
+class Router:
+    def __init__(self, policy: str = DEFAULT_POLICY, block_size: int = 16,
+                 max_blocks: int = 1_000_000, seed: int | None = None,
+                 default_cap: int | None = None, **policy_kwargs):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.default_cap = default_cap
+        self.index = KVIndex(max_blocks=max_blocks)
+        self.workers = WorkerSet()
+        self.policy = make_policy(policy, index=self.index, block_size=block_size, seed=seed,
+                                  **policy_kwargs)
+        self._lock = threading.Lock()
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    # ---- membership and load -----------------------------------------------------------------
+
+    def add_worker(self, worker_id: str, cap: int | None = None) -> None:
+        """Make a worker routable; `cap` = max outstanding requests (default: the router's)."""
+        with self._lock:
+            self.workers.add(worker_id, cap=self.default_cap if cap is None else cap)
+            self.index.add_worker(worker_id)
+            self.policy.add_worker(worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker (it died or was scaled down): its blocks leave the index."""
+        with self._lock:
+            self.workers.remove(worker_id)
+            self.index.remove_worker(worker_id)
+            self.policy.remove_worker(worker_id)
+
+    def update_load(self, load: WorkerLoad) -> None:
+        """Latest load of a worker; an unknown worker is added (with the default cap)."""
+        with self._lock:
+            if load.worker_id not in self.workers:
+                self.workers.add(load.worker_id, cap=self.default_cap)
+                self.index.add_worker(load.worker_id)
+                self.policy.add_worker(load.worker_id)
+            self.workers.update_load(load)
+
+    def set_healthy(self, worker_id: str, healthy: bool) -> None:
+        with self._lock:
+            self.workers.set_healthy(worker_id, healthy)
+
+    def worker_ids(self) -> list[str]:
+        with self._lock:
+            return self.workers.ids
+
+    def worker_state(self, worker_id: str) -> WorkerState | None:
+        with self._lock:
+            return self.workers.get(worker_id)
+
+    # ---- KV events ---------------------------------------------------------------------------
+
+    def on_events(self, batch: KVEventBatch) -> bool:
+        """Apply a worker's event batch. False: a gap or a new epoch; fetch that worker's snapshot
+        and pass it to on_snapshot (its later batches are kept meanwhile)."""
+        with self._lock:
+            return self.index.apply(batch)
+
+    def on_snapshot(self, snap: KVSnapshot) -> bool:
+        """Resync a worker from its snapshot. False: still a gap after it; fetch a newer one."""
+        with self._lock:
+            return self.index.apply_snapshot(snap)
+
+    def workers_awaiting_snapshot(self) -> list[str]:
+        with self._lock:
+            return [w for w in self.index.worker_ids if self.index.awaiting_snapshot(w)
+                    and self.index._workers[w].snapshot_requested]
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def route(self, block_hashes: Sequence[int], num_prompt_tokens: int,
+              session_key: str | None = None) -> list[str]:
+        """Worker ids, best first: eligible workers in the policy's order, then full ones (spill-over).
+        Empty when no worker is healthy."""
+        return self.route_request(RouteRequest(list(block_hashes), num_prompt_tokens, session_key))
+
+    def route_request(self, request: RouteRequest) -> list[str]:
+        with self._lock:
+            return self.policy.rank(request, self.workers)
