@@ -1,0 +1,80 @@
+"""The `flash_attn` attention backend: flash-attn 2's paged kernels.
+
+Prompt chunks go through `flash_attn_varlen_func` with `block_table` (the cached prefix is read from
+the pool; cu_seqlens_k counts whole contexts), decodes through `flash_attn_with_kvcache` with
+`cache_seqlens`. The step's K/V is stored first by kvmesh's store_kvcache, so both calls only read.
+flash-attn's paged mode needs a block size that is a multiple of 256.
+"""
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata
+
+FLASH_ATTN_PAGE_MULTIPLE = 256
+
+
+class FlashAttnAttentionBackend(AttentionBackend):
+    name = "flash_attn"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
+        if block_size % FLASH_ATTN_PAGE_MULTIPLE:
+            raise ValueError(
+                f"the flash_attn backend needs block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE} "
+                f"(flash-attn's paged KV cache), got {block_size}: set block_size=256 or choose "
+                "attention_backend='flashinfer' or 'triton'")
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional dependency
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self._store = _store_function(device)
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        num_decodes = metadata.num_decode_tokens
+        if num_decodes < metadata.num_seqs:
+            prefill_seq_lens = metadata.seq_lens[num_decodes:]
+            cu_seqlens_k = torch.zeros(prefill_seq_lens.shape[0] + 1, dtype=torch.int32, device=self.device)
+            torch.cumsum(prefill_seq_lens, 0, out=cu_seqlens_k[1:])
+            metadata.extra["flash_attn_cu_seqlens_k"] = cu_seqlens_k  # [S_prefill + 1]
+            metadata.extra["flash_attn_max_seqlen_k"] = max(metadata.seq_lens_cpu[num_decodes:])
+            metadata.extra["flash_attn_max_seqlen_q"] = max(metadata.query_lens_cpu[num_decodes:])
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata):
+        self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)  # [T, H, D]
+        num_decodes = metadata.num_decode_tokens
+        if num_decodes:
+            decode_out = self._with_kvcache(
+                q[:num_decodes].unsqueeze(1),  # [B, 1, H, D]
+                k_cache, v_cache,
+                cache_seqlens=metadata.seq_lens[:num_decodes],
+                block_table=metadata.block_tables[:num_decodes],
+                softmax_scale=self.scale, causal=True)
+            out[:num_decodes] = decode_out.squeeze(1)
+        if num_decodes < q.shape[0]:
+            if "flash_attn_cu_seqlens_k" not in metadata.extra:
+                self.plan(metadata)
+            query_start_loc = metadata.query_start_loc[num_decodes:]
+            out[num_decodes:] = self._varlen(
+                q[num_decodes:], k_cache, v_cache,
+                cu_seqlens_q=query_start_loc - query_start_loc[0],
+                cu_seqlens_k=metadata.extra["flash_attn_cu_seqlens_k"],
+                max_seqlen_q=metadata.extra["flash_attn_max_seqlen_q"],
+                max_seqlen_k=metadata.extra["flash_attn_max_seqlen_k"],
+                softmax_scale=self.scale, causal=True,
+                block_table=metadata.block_tables[num_decodes:])
+        return out
+
+
+def _store_function(device: torch.device):
+    """The Triton store on a GPU; an indexed copy elsewhere (the CPU interface test)."""
+    if torch.device(device).type == "cuda":
+        from kvmesh.kernels.store_kvcache import store_kvcache
+        return store_kvcache
+    return _store_kvcache_torch
+
+
+def _store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping):
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v

@@ -1,0 +1,53 @@
+"""The `triton` attention backend: kvmesh's own kernels (kvmesh.kernels), on any CUDA GPU.
+
+Per layer: store the step's K/V by slot mapping, then the decode kernel for the leading one-token
+sequences and the prefill kernel for the prompt chunks, each writing its rows of one output.
+"""
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"the triton backend needs a power-of-two head_dim, got {head_dim}")
+        # imported here so that CPU-only installs (no triton) can still import the backend registry
+        from kvmesh.kernels.paged_decode import choose_num_splits, paged_decode
+        from kvmesh.kernels.paged_prefill import paged_prefill
+        from kvmesh.kernels.store_kvcache import store_kvcache
+        self._choose_num_splits = choose_num_splits
+        self._decode = paged_decode
+        self._prefill = paged_prefill
+        self._store = store_kvcache
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        num_decodes = metadata.num_decode_tokens
+        # Under CUDA-graph capture max_seq_len is the model's limit, so the captured split count
+        # suits any context the graph will later see.
+        metadata.extra["num_splits"] = self._choose_num_splits(
+            num_decodes, self.num_kv_heads, metadata.max_seq_len, self.num_sms) if num_decodes else 1
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata):
+        self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)  # [T, H, D]
+        num_decodes = metadata.num_decode_tokens
+        num_tokens = q.shape[0]
+        if num_decodes:
+            num_splits = metadata.extra.get("num_splits")
+            if num_splits is None:
+                num_splits = self._choose_num_splits(num_decodes, self.num_kv_heads, metadata.max_seq_len,
+                                                     self.num_sms)
+            self._decode(q[:num_decodes], k_cache, v_cache, out[:num_decodes],
+                         metadata.seq_lens[:num_decodes], metadata.block_tables[:num_decodes],
+                         self.scale, num_splits)
+        if num_decodes < num_tokens:
+            self._prefill(q, k_cache, v_cache, out, metadata.query_start_loc[num_decodes:],
+                          metadata.seq_lens[num_decodes:], metadata.block_tables[num_decodes:],
+                          metadata.max_query_len, self.scale)
+        return out

@@ -1,0 +1,152 @@
+"""Paged KV block pool with prefix caching.
+
+Blocks hold `block_size` tokens. A full block that has been computed is registered under its chained
+hash (kvmesh.hashing) so a later request with the same prefix reuses it. Free blocks sit in an LRU
+list: blocks holding nothing cached are handed out first, then the least recently freed cached
+blocks (whose hashes are then evicted). A cached block that is hit while free is revived. The pool
+records BlockStored / BlockRemoved / AllCleared events for the router.
+"""
+
+from collections import OrderedDict
+
+from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # kept to guard against hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool must hold at least 1 block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.pending_events: list[KVEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- prefix cache lookups ----------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: list[int], block_hashes: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids`, leaving at least one token to
+        compute (the last token's logits are needed to sample)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits = []
+        for i, block_hash in enumerate(block_hashes[:max_blocks]):
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            start = i * self.block_size
+            if self.blocks[block_id].token_ids != tuple(token_ids[start:start + self.block_size]):
+                break  # a hash collision: treat as a miss
+            hits.append(block_id)
+        return hits
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks found by find_cached_prefix (reviving free ones)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+
+    # ---- allocation --------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks off the free list (caller checks num_free_blocks first)."""
+        if num_blocks > len(self.free):
+            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self.free)} free")
+        block_ids, evicted = [], []
+        for _ in range(num_blocks):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                del self.cached[block.block_hash]
+                block.block_hash = block.token_ids = None
+            block.ref_count = 1
+            block_ids.append(block_id)
+        if evicted:
+            self.pending_events.append(BlockRemoved(block_hashes=evicted))
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block, last block first, so a sequence's tail is evicted
+        before its (more shareable) prefix."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            self.free[block_id] = None
+            if block.block_hash is None:
+                self.free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+
+    # ---- caching computed blocks -------------------------------------------------------------
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[int],
+                     token_ids: list[int], start_block: int) -> None:
+        """Register full, computed blocks block_ids[i] (i >= start_block) under block_hashes[i].
+
+        Emits one BlockStored per contiguous run of newly cached blocks, with the hash of the
+        block before the run as its parent (None for a sequence's first block)."""
+        if not self.enable_prefix_caching:
+            return
+        run: list[int] = []
+        run_parent = None
+        for i in range(start_block, len(block_hashes)):
+            block_hash = block_hashes[i]
+            block = self.blocks[block_ids[i]]
+            if block.block_hash is not None or block_hash in self.cached:
+                # already cached (a prefix hit), or another sequence cached the same content
+                self._emit_stored(run, run_parent)
+                run = []
+                continue
+            block.block_hash = block_hash
+            start = i * self.block_size
+            block.token_ids = tuple(token_ids[start:start + self.block_size])
+            self.cached[block_hash] = block.block_id
+            if not run:
+                run_parent = block_hashes[i - 1] if i > 0 else None
+            run.append(block_hash)
+        self._emit_stored(run, run_parent)
+
+    def _emit_stored(self, run: list[int], parent_hash: int | None) -> None:
+        if run:
+            self.pending_events.append(BlockStored(
+                block_hashes=run, parent_hash=parent_hash, num_tokens=len(run) * self.block_size))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that no running sequence holds. True if all were dropped."""
+        if any(b.ref_count > 0 and b.block_hash is not None for b in self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash = block.token_ids = None
+        self.cached.clear()
+        self.pending_events.append(AllCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def cached_hashes(self) -> list[int]:
+        return list(self.cached)

@@ -1,0 +1,219 @@
+"""The engine core: synchronous and single-threaded. step() = schedule -> execute -> update."""
+
+import logging
+import random
+import time
+
+import torch
+
+from kvmesh.config import EngineConfig
+from kvmesh.hashing import model_salt
+from kvmesh.protocol import EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad
+from kvmesh.worker.block_manager import BlockManager
+from kvmesh.worker.detokenizer import IncrementalDetokenizer
+from kvmesh.worker.model_builder import build_model, resolve_device_dtype
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.scheduler import Scheduler
+from kvmesh.worker.sequence import Request
+
+logger = logging.getLogger("kvmesh.engine")
+
+CPU_DEFAULT_KV_BYTES = 256 * 1024 * 1024
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: bool = False):
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.block_size = config.block_size
+        self.hash_salt = model_salt(self.model_name)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
+                                  self.device, self.dtype, config.attention_backend, config.seed,
+                                  self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._finished_out: list[TokenDelta] = []  # deltas of aborted/failed requests, returned by the next step
+        self.epoch = random.SystemRandom().getrandbits(62)
+        self._next_seq = 0
+        self.num_steps = 0
+        self.last_step_time = time.monotonic()
+
+    # ---- sizing ------------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = self.model_config.kv_bytes_per_token * elem * self.config.block_size
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                # keep headroom for activations of the largest step (logits dominate)
+                activations = self.config.max_num_batched_tokens * (
+                    self.model_config.hidden_size * 16 + self.model_config.vocab_size // 4) * 4
+                budget = int(total * self.config.gpu_memory_utilization) - used - activations
+            else:
+                budget = CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
+                             f"(one block of {self.config.block_size} tokens needs {bytes_per_block} bytes)")
+        return int(num_blocks)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Validate and queue a request; raises ValueError naming the field and the limit."""
+        ids = request.prompt_token_ids
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        if not ids:
+            raise ValueError("prompt must contain at least 1 token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; the limit is {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len} minus 1 generated token)")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        needed = self.block_manager.blocks_needed(len(ids) + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"prompt is {len(ids)} tokens; the KV pool holds "
+                             f"{self.block_manager.num_blocks * self.block_size} tokens "
+                             f"({self.block_manager.num_blocks} blocks of {self.block_size})")
+        params = request.sampling_params
+        params.validate()
+        req = Request(request.request_id, ids, params, self.block_size, self.hash_salt,
+                      request.arrival_time or time.time(), request.prompt)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(params.seed)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self._finish(req, "abort")
+        self._finished_out.append(self._delta(req, [], None))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished_out)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        deltas, self._finished_out = self._finished_out, []
+        output = self.scheduler.schedule()
+        self.last_step_time = time.monotonic()
+        if output.is_empty:
+            deltas.extend(self._fail_unschedulable())
+            return deltas
+        result = self.runner.execute(output)
+        self.scheduler.update(output, {})
+        self.num_steps += 1
+        if result is None:
+            return deltas
+        now = time.time()
+        sampled = [e.request for e in output.scheduled if e.samples]
+        for i, req in enumerate(sampled):
+            token = result.token_ids[i]
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            logprob = None
+            if result.logprobs is not None:
+                logprob = result.logprobs[i]
+                req.logprobs.append(logprob)
+                req.top_logprobs.append(result.top_logprobs[i])
+            finish = self._check_finish(req, token)
+            if finish is not None:
+                self._finish(req, finish)
+            deltas.append(self._delta(req, [token], logprob, result.top_logprobs[i]))
+        return deltas
+
+    def _check_finish(self, req: Request, token: int) -> str | None:
+        params = req.sampling_params
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        stop = req.detokenizer.add_tokens([token])
+        if stop is not None:
+            req.stop_reason = stop
+            return "stop"
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.time()
+        self.scheduler.finish(req)
+        del self.requests[req.request_id]
+
+    def _fail_unschedulable(self) -> list[TokenDelta]:
+        """With nothing running, a waiting request that still does not fit never will: end it."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        req = self.scheduler.waiting[0]
+        self._finish(req, "length" if req.output_token_ids else "error")
+        logger.warning("request %s needs more KV blocks than the pool has (%d); ended",
+                       req.request_id, self.block_manager.num_blocks)
+        delta = self._delta(req, [], None)
+        if req.finish_reason == "error":
+            delta.error = f"the request needs more than the {self.block_manager.num_blocks} KV blocks of the pool"
+        return [delta]
+
+    def _delta(self, req: Request, token_ids: list[int], logprob, top=None) -> TokenDelta:
+        text = req.detokenizer.take_delta(final=req.is_finished)
+        return TokenDelta(
+            request_id=req.request_id, token_ids=token_ids, text=text,
+            finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_output_tokens,
+            logprobs=[logprob] if logprob is not None else None,
+            top_logprobs=[top] if top is not None else None,
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+
+    # ---- state for the router ----------------------------------------------------------------
+
+    def get_load(self) -> WorkerLoad:
+        running = self.scheduler.running
+        waiting = self.scheduler.waiting
+        return WorkerLoad(
+            worker_id=self.config.worker_id, running=len(running), waiting=len(waiting),
+            waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+            + sum(r.num_tokens - r.num_computed_tokens - 1 for r in running if r.num_tokens - r.num_computed_tokens > 1),
+            running_decode_tokens=sum(r.num_tokens for r in running),
+            kv_free_blocks=self.block_manager.num_free_blocks,
+            kv_total_blocks=self.block_manager.num_blocks, healthy=True, timestamp=time.time())
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        events = self.block_manager.take_events()
+        if not events:
+            return None
+        batch = KVEventBatch(self.config.worker_id, self.epoch, self._next_seq, events, time.time())
+        self._next_seq += 1
+        return batch
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Cached hashes as of the last batch taken; replaying pending events on it is harmless."""
+        return KVSnapshot(self.config.worker_id, self.epoch, self._next_seq - 1,
+                          self.block_manager.cached_hashes(), self.block_size)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()

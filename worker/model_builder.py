@@ -1,0 +1,79 @@
+"""Build a model from a --model value: architecture from its config, weights from safetensors
+(or random for presets), tokenizer and EOS ids."""
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.worker.loader import (iter_safetensors, load_hf_config, load_tokenizer_for,
+                                  resolve_model)
+from kvmesh.worker.model_config import ModelConfig
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderForCausalLM
+    config: ModelConfig
+    tokenizer: object
+    name: str
+    eos_token_ids: list[int]
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available here; use device='cpu'")
+    dev = torch.device(device)
+    if dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return dev, DTYPES[dtype]
+
+
+def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                progress: bool = False) -> LoadedModel:
+    source = resolve_model(model)
+    hf_config = load_hf_config(source)
+    config = ModelConfig.from_hf(hf_config, source.name)
+    tokenizer = load_tokenizer_for(source)
+    with torch.device(device):
+        net = DecoderForCausalLM(config, config.max_position_embeddings)
+    if source.preset is not None:
+        init_random_weights(net, seed)
+    else:
+        weights = iter_safetensors(source.path)
+        if progress:
+            from tqdm import tqdm
+
+            weights = tqdm(weights, desc=f"loading {source.name}", unit=" tensors", leave=False)
+        net.load_hf_weights(weights)
+    for param in net.parameters():  # RoPE tables stay float32 (they are buffers)
+        param.data = param.data.to(dtype)
+    net.eval()
+    return LoadedModel(net, config, tokenizer, source.name, eos_ids(config, tokenizer, source))
+
+
+@torch.no_grad()
+def init_random_weights(net: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in net.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def eos_ids(config: ModelConfig, tokenizer, source) -> list[int]:
+    ids = list(config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    if source.path is not None and (source.path / "generation_config.json").is_file():
+        eos = json.loads((source.path / "generation_config.json").read_text()).get("eos_token_id")
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(set(ids))

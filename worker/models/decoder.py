@@ -1,0 +1,177 @@
+"""The decoder of the Llama family, Qwen2 and Qwen3: one implementation, three switches.
+
+Llama: no biases; Qwen2: q/k/v biases; Qwen3: per-head RMSNorm on q and k before RoPE. Parameter
+names follow Hugging Face's except the fused projections (qkv_proj, gate_up_proj), which the
+loader packs from q/k/v_proj and gate/up_proj.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.worker.attention.base import get_forward_context
+from kvmesh.worker.layers.norm import RMSNorm
+from kvmesh.worker.layers.rotary import RotaryEmbedding
+from kvmesh.worker.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, rotary):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    # Hugging Face checkpoint names -> (our fused parameter, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def shard_sizes(self, fused: str, layer_idx: int) -> list[int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into this model, packing fused projections."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for hf_part, (fused, index) in self.packed_modules.items():
+                if f".{hf_part}." in name:
+                    target, shard = name.replace(f".{hf_part}.", f".{fused}."), index
+                    break
+            if target not in params:
+                raise ValueError(f"model: unexpected weight {name!r} in the checkpoint")
+            param = params[target]
+            if shard is None:
+                _copy(param, tensor, name)
+            else:
+                layer_idx = int(name.split(".layers.")[1].split(".")[0])
+                sizes = self.shard_sizes(target.split(".")[-2], layer_idx)
+                start = sum(sizes[:shard])
+                _copy(param.narrow(0, start, sizes[shard]), tensor, name)
+            loaded.add((target, shard))
+        expected = set()
+        for pname in params:
+            fused = pname.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                n = 3 if fused == "qkv_proj" else 2
+                expected.update((pname, i) for i in range(n))
+            else:
+                expected.add((pname, None))
+        missing = sorted(str(m[0]) for m in expected - loaded)
+        if missing:
+            raise ValueError(f"model: checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our weights in Hugging Face naming (unpacked): for reference models in tests and for saving."""
+        out = {}
+        for name, param in self.named_parameters():
+            fused = name.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                parts = [k for k, (f, _) in self.packed_modules.items() if f == fused]
+                layer_idx = int(name.split(".layers.")[1].split(".")[0])
+                chunks = param.split(self.shard_sizes(fused, layer_idx), dim=0)
+                for part, chunk in zip(parts, chunks):
+                    out[name.replace(f".{fused}.", f".{part}.")] = chunk
+            else:
+                out[name] = param
+        if self.config.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.copy_(tensor.to(param.dtype))

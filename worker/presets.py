@@ -1,0 +1,102 @@
+"""Random-weight model presets (`random:<name>`): real architectures with random weights, for tests
+and benchmarks. The tokenizer is a byte-level one built locally (no download)."""
+
+PRESETS = {
+    # The benchmark shape of DESIGN.md "Performance".
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True),
+    "tiny-qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=2048,
+        tie_word_embeddings=True),
+    "tiny-qwen2": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=2048,
+        tie_word_embeddings=False),
+    "tiny-llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+        tie_word_embeddings=False),
+    # Llama 3.2's RoPE scaling on a tiny shape (exercises the llama3 rope type).
+    "tiny-llama3": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64),
+        tie_word_embeddings=True),
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def hf_config_for(preset: str):
+    from transformers import AutoConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"model: unknown preset 'random:{preset}'; known: "
+                         + ", ".join(f"random:{p}" for p in PRESETS))
+    kwargs = dict(PRESETS[preset])
+    model_type = kwargs.pop("model_type")
+    rope_scaling = kwargs.pop("rope_scaling", None)
+    # Special tokens sit right after the 256 byte tokens; EOS is <|im_end|>.
+    kwargs.update(bos_token_id=256, eos_token_id=258, pad_token_id=256)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if rope_scaling is not None:
+        params = dict(rope_scaling, rope_theta=kwargs["rope_theta"])
+        if hasattr(config, "rope_parameters"):
+            config.rope_parameters = params
+        else:  # transformers 4.x
+            config.rope_scaling = params
+    return config
+
+
+def build_byte_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with no merges: ids 0-255 are bytes, then the special tokens,
+    then filler tokens up to vocab_size (so every id a random model samples decodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_chars)
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    for i in range(256 + len(SPECIAL_TOKENS), vocab_size):
+        vocab[f"<|t{i}|>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable character map (what ByteLevel uses).
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))

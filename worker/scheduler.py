@@ -1,0 +1,145 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+No prefill or decode modes: each running request needs num_tokens - num_computed_tokens more. The
+token budget (max_num_batched_tokens) is filled by running requests first (decodes, and prompts
+already in progress), then by waiting requests' prompt chunks, up to max_num_seqs running. When the
+pool runs out of blocks, the newest running request is preempted: its blocks are released and it
+goes back to the front of the queue to be recomputed later (its cached prefix usually survives).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvmesh.worker.block_manager import BlockManager
+from kvmesh.worker.sequence import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    samples: bool  # the chunk reaches the end of the known tokens: sample the next token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes (1 new token) first, then prompt chunks
+    num_batched_tokens: int
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._allocate(request, num_new):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._entry(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the current request was preempted itself: nothing else fits
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                if request.num_computed_tokens == 0 and not request.block_ids:
+                    hits = self.block_manager.find_cached_prefix(request.all_token_ids, request.block_hashes)
+                else:
+                    hits = []
+                num_computed = len(hits) * self.block_manager.block_size
+                num_new = min(request.num_tokens - num_computed, budget)
+                needed = self.block_manager.blocks_needed(num_computed + num_new) - len(hits)
+                # hits that are free now would be revived: they come off the free list too
+                num_revived = sum(1 for b in hits if self.block_manager.blocks[b].ref_count == 0)
+                if needed + num_revived > self.block_manager.num_free_blocks:
+                    break
+                self.waiting.popleft()
+                self.block_manager.acquire(hits)
+                request.block_ids = hits + self.block_manager.allocate(needed)
+                request.num_computed_tokens = num_computed
+                request.num_cached_blocks = len(hits)
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = num_computed
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append(self._entry(request, num_new))
+                budget -= num_new
+
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1 or not s.samples)  # decodes first (stable)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        needed = self.block_manager.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.block_manager.num_free_blocks:
+            return False
+        request.block_ids.extend(self.block_manager.allocate(needed))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.release(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_cached_blocks = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """After the step ran: advance computed tokens and cache the blocks that became full."""
+        for entry in output.scheduled:
+            request = entry.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            num_full = request.num_computed_tokens // self.block_manager.block_size
+            if num_full > request.num_cached_blocks:
+                self.block_manager.cache_blocks(
+                    request.block_ids[:num_full], request.block_hashes[:num_full],
+                    request.all_token_ids, request.num_cached_blocks)
+                request.num_cached_blocks = num_full
+
+    def finish(self, request: Request) -> None:
+        """Remove a request (finished or aborted) and release its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.release(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED

@@ -1,0 +1,70 @@
+"""A request's state inside the engine."""
+
+import enum
+import time
+
+import torch
+
+from kvmesh.hashing import block_hashes as compute_block_hashes, hash_block, root_hash
+from kvmesh.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 block_size: int, salt: bytes, arrival_time: float | None = None,
+                 prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.salt = salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache (or hit)
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the cache, first schedule
+        self.block_hashes: list[int] = compute_block_hashes(prompt_token_ids, block_size, salt)
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.generator: torch.Generator | None = None  # per-request, for seeded sampling
+        self.detokenizer = None  # set by the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        num_full = len(self.all_token_ids) // self.block_size
+        if num_full > len(self.block_hashes):
+            parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.salt)
+            start = len(self.block_hashes) * self.block_size
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[start:start + self.block_size]))
