@@ -8,6 +8,7 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.hashing import model_salt
+from kvmesh.sampling_params import SamplingParams
 from kvmesh.protocol import EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
@@ -74,8 +75,8 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Validate and queue a request; raises ValueError naming the field and the limit."""
+    def validate_request(self, request: EngineRequest) -> None:
+        """Raise ValueError naming the field and the limit if the engine cannot run `request`."""
         ids = request.prompt_token_ids
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
@@ -92,8 +93,14 @@ class Engine:
             raise ValueError(f"prompt is {len(ids)} tokens; the KV pool holds "
                              f"{self.block_manager.num_blocks * self.block_size} tokens "
                              f"({self.block_manager.num_blocks} blocks of {self.block_size})")
-        params = request.sampling_params
-        params.validate()
+        if not isinstance(request.sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a kvmesh.SamplingParams")
+        request.sampling_params.validate()
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Validate and queue a request; raises ValueError naming the field and the limit."""
+        self.validate_request(request)
+        ids, params = request.prompt_token_ids, request.sampling_params
         req = Request(request.request_id, ids, params, self.block_size, self.hash_salt,
                       request.arrival_time or time.time(), request.prompt)
         if params.seed is not None:

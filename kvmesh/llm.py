@@ -1,0 +1,135 @@
+"""The offline API, shaped like vLLM's:
+
+    llm = LLM()                                         # the default model
+    outs = llm.generate(["prompt", ...], SamplingParams(max_tokens=32, temperature=0))
+    outs = llm.generate(prompt_token_ids=[[...]], sampling_params=...)
+    outs = llm.chat([{"role": "user", "content": "..."}], sampling_params)
+"""
+
+import itertools
+import sys
+from collections.abc import Iterator, Sequence
+
+from kvmesh.config import EngineConfig
+from kvmesh.protocol import EngineRequest, RequestOutput, TokenDelta
+from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.engine import Engine
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        unknown = sorted(set(engine_args) - set(EngineConfig.field_names()))
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(unknown)}; "
+                            f"known: {', '.join(EngineConfig.field_names())}")
+        config = EngineConfig(**({"model": model} if model else {}), **engine_args)
+        self.engine = Engine(config, progress=sys.stderr.isatty())
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    # ---- prompts -----------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"model {self.engine.model_name!r} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            token_lists = [self.encode(p) for p in texts]
+        else:
+            texts = [None] * len(prompt_token_ids)
+            token_lists = [list(ids) for ids in prompt_token_ids]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        token_lists = [self.apply_chat_template(c) for c in conversations]
+        texts = [self.tokenizer.decode(ids) for ids in token_lists]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+               prompt: str | None = None) -> Iterator[TokenDelta]:
+        """Yield one request's deltas as the engine produces them (used by `kvmesh generate`)."""
+        request_id = f"stream-{next(self._ids)}"
+        self.engine.add_request(EngineRequest(request_id, list(prompt_token_ids),
+                                              sampling_params or SamplingParams(), prompt=prompt))
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        yield delta
+                        if delta.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def _run(self, texts, token_lists, sampling_params, use_tqdm) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(token_lists))
+        if len(params) != len(token_lists):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(token_lists)} prompts")
+        # Validate every request before queueing any, so a bad one leaves nothing half-done.
+        requests = []
+        for text, ids, p in zip(texts, token_lists, params):
+            requests.append(EngineRequest(f"req-{next(self._ids)}", ids, p, prompt=text))
+        for r in requests:
+            self.engine.validate_request(r)
+        outputs: dict[str, RequestOutput] = {}
+        for r in requests:
+            self.engine.add_request(r)
+            outputs[r.request_id] = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, "", [], None)
+        bar = None
+        if use_tqdm and len(requests) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="generating", unit=" req", file=sys.stderr,
+                       disable=not sys.stderr.isatty())
+        try:
+            pending = len(requests)
+            while pending:
+                for delta in self.engine.step():
+                    out = outputs.get(delta.request_id)
+                    if out is None:
+                        continue
+                    out.text += delta.text
+                    out.token_ids.extend(delta.token_ids)
+                    out.num_cached_tokens = delta.num_cached_tokens
+                    if delta.logprobs is not None:
+                        out.logprobs = (out.logprobs or []) + delta.logprobs
+                        out.top_logprobs = (out.top_logprobs or []) + (delta.top_logprobs or [None])
+                    if delta.finished:
+                        out.finish_reason = delta.finish_reason
+                        out.arrival_time = delta.arrival_time
+                        out.first_token_time = delta.first_token_time
+                        pending -= 1
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for r in requests:
+                self.engine.abort_request(r.request_id)  # no-op for finished ones
+        return [outputs[r.request_id] for r in requests]
