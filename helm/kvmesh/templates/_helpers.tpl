@@ -1,0 +1,194 @@
+{{/* Chart name, truncated to the 63 characters a DNS label allows. */}}
+{{- define "kvmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource name prefix. RayService names become RayCluster and pod name prefixes with suffixes
+appended by KubeRay, so keep it short (50 characters).
+*/}}
+{{- define "kvmesh.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvmesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvmesh.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Labels that select this release's Ray pods. Not app.kubernetes.io/name: KubeRay sets that one
+on the pods it creates when the template lacks it, and may own it in later versions.
+*/}}
+{{- define "kvmesh.podSelectorLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: kvmesh
+{{- end }}
+
+{{/* Labels of every Ray pod of this release. */}}
+{{- define "kvmesh.podLabels" -}}
+{{ include "kvmesh.selectorLabels" . }}
+app.kubernetes.io/part-of: kvmesh
+{{- end }}
+
+{{- define "kvmesh.labels" -}}
+helm.sh/chart: {{ include "kvmesh.chart" . }}
+{{ include "kvmesh.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The kvmesh serving config handed to build_app. Replica count and autoscaling bounds come from
+values as they are; `kvmesh.autoscaling.enabled` alone switches Serve autoscaling on.
+*/}}
+{{- define "kvmesh.servingConfig" -}}
+{{- toYaml .Values.kvmesh }}
+{{- end }}
+
+{{/* Ray Serve config (multi-application format) that KubeRay deploys: serveConfigV2. */}}
+{{- define "kvmesh.serveConfig" -}}
+proxy_location: {{ .Values.serve.proxyLocation }}
+http_options:
+  host: {{ .Values.kvmesh.server.host | quote }}
+  port: {{ .Values.kvmesh.server.http_port }}
+{{- with .Values.serve.grpcServicerFunctions }}
+grpc_options:
+  port: {{ $.Values.kvmesh.server.grpc_port }}
+  grpc_servicer_functions:
+    {{- toYaml . | nindent 4 }}
+{{- end }}
+applications:
+  - name: {{ .Values.serve.applicationName }}
+    route_prefix: {{ .Values.serve.routePrefix }}
+    import_path: {{ .Values.serve.importPath }}
+    {{- with .Values.serve.runtimeEnv }}
+    runtime_env:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    args:
+      {{- include "kvmesh.servingConfig" . | nindent 6 }}
+{{- end }}
+
+{{/*
+Container ports every Ray pod declares. KubeRay finds the Serve port by the name "serve".
+*/}}
+{{- define "kvmesh.servePorts" -}}
+- name: serve
+  containerPort: {{ .Values.kvmesh.server.http_port }}
+  protocol: TCP
+{{- if .Values.serve.grpcServicerFunctions }}
+- name: grpc
+  containerPort: {{ .Values.kvmesh.server.grpc_port }}
+  protocol: TCP
+{{- end }}
+- name: metrics
+  containerPort: {{ .Values.metrics.rayMetricsPort }}
+  protocol: TCP
+{{- end }}
+
+{{/*
+One worker group spec. Called with a dict: root (the chart context), name, group (its values).
+*/}}
+{{- define "kvmesh.workerGroup" -}}
+{{- $root := .root }}
+{{- $group := .group }}
+- groupName: {{ .name }}
+  replicas: {{ $group.replicas }}
+  minReplicas: {{ $group.minReplicas }}
+  maxReplicas: {{ $group.maxReplicas }}
+  rayStartParams:
+    metrics-export-port: {{ $root.Values.metrics.rayMetricsPort | quote }}
+    {{- range $key, $value := $group.rayStartParams }}
+    {{ $key }}: {{ $value | toString | quote }}
+    {{- end }}
+  template:
+    metadata:
+      labels:
+        {{- include "kvmesh.podLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: worker
+        {{- with $group.labels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $group.annotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      {{- with $root.Values.serviceAccountName }}
+      serviceAccountName: {{ . }}
+      {{- end }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "kvmesh.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          ports:
+            {{- include "kvmesh.servePorts" $root | nindent 12 }}
+          resources:
+            requests:
+              {{- with ($group.resources).requests }}
+              {{- toYaml . | nindent 14 }}
+              {{- end }}
+              {{- if $group.gpusPerPod }}
+              nvidia.com/gpu: {{ $group.gpusPerPod }}
+              {{- end }}
+            limits:
+              {{- with ($group.resources).limits }}
+              {{- toYaml . | nindent 14 }}
+              {{- end }}
+              {{- if $group.gpusPerPod }}
+              nvidia.com/gpu: {{ $group.gpusPerPod }}
+              {{- end }}
+          {{- with $group.env }}
+          env:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          {{- with $group.volumeMounts }}
+          volumeMounts:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          {{- with $group.securityContext }}
+          securityContext:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+      {{- with $group.volumes }}
+      volumes:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $group.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}

@@ -1,0 +1,219 @@
+"""The kvmesh Helm chart: lint, render, the serving config it hands to Serve, refused values."""
+
+import json
+
+import pytest
+import yaml
+
+from helm_support import CHART, NAMESPACE, REPO, helm, manifests, one, render, serve_config
+from helm_values import BAD_VALUES, VALUE_SETS
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_lint_strict_is_clean(name):
+    report = helm.lint(CHART, VALUE_SETS[name] or None, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == [] and report["messages"] == [], report
+
+
+def test_default_render_has_rayservice_and_api_services():
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in manifests())
+    assert kinds == [("RayService", "demo-kvmesh"), ("Service", "demo-kvmesh-grpc"), ("Service", "demo-kvmesh-http")]
+
+
+def test_serve_config_carries_the_kvmesh_config_as_build_app_args():
+    values = VALUE_SETS["autoscaling-two-gpu-types"]
+    with helm.Chart.load(CHART) as chart:
+        merged = chart.merge_values(values)
+    config = serve_config(one(manifests(values), "RayService"))
+    [app] = config["applications"]
+    assert app["import_path"] == "kvmesh.cluster.app:build_app"
+    assert app["route_prefix"] == "/"
+    # The whole serving config, untouched (Helm drops keys whose value is null: build_app's defaults apply).
+    assert app["args"] == merged["kvmesh"]
+    assert app["args"]["model"] == "/models/Qwen3-8B"
+    assert app["args"]["autoscaling"]["policy"] == "kv_pressure"
+    assert app["args"]["engine"]["max_model_len"] == 8192
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert config["grpc_options"]["port"] == 9000
+    assert config["proxy_location"] == "EveryNode"
+
+
+def test_serve_config_default_args_match_the_serving_config_contract():
+    args = serve_config(one(manifests(), "RayService"))["applications"][0]["args"]
+    assert set(args) == {"model", "engine", "replicas", "routing", "autoscaling", "server"}
+    assert args["model"] == "smollm2-135m-instruct"
+    assert args["replicas"] == {"num_replicas": 1, "num_gpus": 1, "num_cpus": 1, "max_ongoing_requests": 64,
+                                "resources": {}}
+    assert args["routing"] == {"policy": "kv_events", "ingress_replicas": 1}
+    assert args["server"]["host"] == "0.0.0.0"  # reachable from the Services, unlike the local default
+    assert set(args["engine"]) == {"device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
+                                   "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
+                                   "enforce_eager", "seed"}  # + max_model_len, kv_cache_memory_bytes when set
+
+
+def test_gpu_worker_groups_request_nvidia_gpus_and_head_requests_none():
+    spec = one(manifests(VALUE_SETS["autoscaling-two-gpu-types"]), "RayService")["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert sorted(groups) == ["gpu", "h200"]  # "spare" is disabled
+    for group in groups.values():
+        [container] = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert (groups["gpu"]["minReplicas"], groups["gpu"]["replicas"], groups["gpu"]["maxReplicas"]) == (2, 2, 8)
+    assert groups["h200"]["rayStartParams"]["resources"] == '"{\\"H200\\": 1}"'
+    [head] = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in json.dumps(head["resources"])
+    assert spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == 60
+
+
+def test_autoscaler_is_off_unless_kvmesh_autoscaling_is_enabled():
+    spec = one(manifests(), "RayService")["spec"]["rayClusterConfig"]
+    assert spec["enableInTreeAutoscaling"] is False
+    assert "autoscalerOptions" not in spec
+
+
+def test_ray_start_params_are_strings():
+    spec = one(manifests(VALUE_SETS["cpu-only"]), "RayService")["spec"]["rayClusterConfig"]
+    [group] = spec["workerGroupSpecs"]
+    assert group["rayStartParams"] == {"metrics-export-port": "8080", "num-cpus": "2",
+                                       "resources": '"{\\"kvmesh_worker\\": 1}"'}
+    [container] = group["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+
+
+def test_services_select_serving_pods_of_this_release_by_named_ports():
+    objects = manifests(VALUE_SETS["names-and-ports"])
+    http = one(objects, "Service", "llm-http")
+    grpc = one(objects, "Service", "llm-grpc")
+    for service, port, target in ((http, 80, "serve"), (grpc, 443, "grpc")):
+        assert service["spec"]["selector"] == {"app.kubernetes.io/instance": "demo",
+                                               "app.kubernetes.io/part-of": "kvmesh", "ray.io/serve": "true"}
+        assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(port, target)]
+        assert service["metadata"]["labels"]["team"] == "inference"
+    rayservice = one(objects, "RayService")
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert (ports["serve"], ports["grpc"]) == (8100, 9100)
+    assert head["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvmesh"
+    assert head["spec"]["containers"][0]["image"] == "registry.example.com/kvmesh:0.1.0-cu130"
+    assert head["spec"]["serviceAccountName"] == "kvmesh"
+    config = serve_config(rayservice)
+    assert (config["http_options"]["port"], config["grpc_options"]["port"]) == (8100, 9100)
+
+
+def test_grpc_off_renders_no_grpc_service_or_port():
+    objects = manifests(VALUE_SETS["cpu-only"])
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Service"] == ["demo-kvmesh-http"]
+    rayservice = one(objects, "RayService")
+    assert "grpc_options" not in serve_config(rayservice)
+    assert serve_config(rayservice)["proxy_location"] == "HeadOnly"
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "grpc" not in [p["name"] for p in head["ports"]]
+
+
+def test_service_monitor_scrapes_kvmesh_and_ray_metrics():
+    objects = manifests(VALUE_SETS["autoscaling-two-gpu-types"])
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("http", "/metrics"),
+                                                                            ("ray-metrics", "/metrics")]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    metrics_service = one(objects, "Service", "-ray-metrics")
+    assert metrics_service["spec"]["clusterIP"] == "None"
+    # Every Service the monitor selects by component exists.
+    components = {e["values"][0] if len(e["values"]) == 1 else tuple(e["values"])
+                  for e in monitor["spec"]["selector"]["matchExpressions"] if e["key"].endswith("component")}
+    assert components == {("http", "ray-metrics")}
+    assert {o["metadata"]["labels"].get("app.kubernetes.io/component") for o in objects if o["kind"] == "Service"} \
+        >= {"http", "ray-metrics"}
+
+
+def test_grafana_dashboard_configmap_holds_the_deploy_dashboard():
+    objects = manifests(VALUE_SETS["autoscaling-two-gpu-types"])
+    configmap = one(objects, "ConfigMap", "-dashboard")
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((REPO / "deploy" / "grafana" / "kvmesh.json").read_text())
+    assert json.loads(configmap["data"]["kvmesh.json"]) == shipped
+
+
+def test_chart_dashboard_copy_is_identical_to_deploy_grafana():
+    # Helm reads files only inside the chart, so the chart carries a copy; it must not drift.
+    assert (CHART / "dashboards" / "kvmesh.json").read_bytes() == (REPO / "deploy/grafana/kvmesh.json").read_bytes()
+
+
+def test_notes_say_how_to_reach_the_api():
+    notes = render(VALUE_SETS["autoscaling-two-gpu-types"])["kvmesh/templates/NOTES.txt"]
+    assert "kubectl -n llm get rayservice demo-kvmesh" in notes
+    assert "get svc demo-kvmesh-http -o jsonpath='{.status.loadBalancer.ingress[0].ip}'" in notes
+    assert "$KVMESH_URL/v1/chat/completions" in notes
+    assert "Service demo-kvmesh-grpc, port 9000" in notes
+    assert "2-12 worker replicas, kv_pressure autoscaling" in notes
+    default_notes = render()["kvmesh/templates/NOTES.txt"]
+    assert "port-forward svc/demo-kvmesh-http 8000:8000" in default_notes
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_bad_values_fail_with_a_message_naming_the_problem(case):
+    values, message = BAD_VALUES[case]
+    with pytest.raises(helm.HelmError) as error:
+        render(values)
+    assert message in str(error.value)
+
+
+def test_bad_values_also_fail_lint():
+    values, message = BAD_VALUES["replicas-not-a-number"]
+    report = helm.lint(CHART, values, strict=True)
+    assert any(message in error for error in report["errors"]), report
+
+
+def test_every_value_is_documented_in_kuberay_style():
+    """Each leaf key in values.yaml (and each map of them) has a `# --` comment above it."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for index, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or stripped.startswith("- ") or ":" not in stripped:
+            continue
+        key, _, value = stripped.partition(":")
+        is_section = value.strip() == "" and index + 1 < len(lines) and _indent(lines[index + 1]) > _indent(line) \
+            and not lines[index + 1].strip().startswith("- ")
+        if is_section or _inside_value(lines, index):
+            continue
+        above = index - 1
+        while above >= 0 and lines[above].strip().startswith("#") and not lines[above].strip().startswith("# --"):
+            above -= 1
+        if above < 0 or not lines[above].strip().startswith("# --"):
+            undocumented.append(f"line {index + 1}: {key}")
+    assert undocumented == []
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _inside_value(lines: list[str], index: int) -> bool:
+    """True for keys nested inside a documented value (e.g. resources.requests.cpu)."""
+    own = _indent(lines[index])
+    for above in range(index - 1, -1, -1):
+        line = lines[above]
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        if _indent(line) < own:
+            parent_doc = above - 1
+            while parent_doc >= 0 and lines[parent_doc].strip().startswith("#") \
+                    and not lines[parent_doc].strip().startswith("# --"):
+                parent_doc -= 1
+            return parent_doc >= 0 and lines[parent_doc].strip().startswith("# --") or _inside_value(lines, above)
+    return False
+
+
+def test_values_yaml_defaults_match_the_schema_and_the_serving_config_defaults():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+    assert values["kvmesh"]["engine"]["max_model_len"] is None
+    assert values["kvmesh"]["autoscaling"]["policy"] in ("ongoing_requests", "kv_pressure", "ttft_slo")
