@@ -54,6 +54,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* Non-empty when the gRPC API is on: a gRPC port and servicer functions to register. */}}
+{{- define "kvmesh.grpcEnabled" -}}
+{{- if and .Values.kvmesh.server.grpc_port .Values.serve.grpcServicerFunctions }}true{{ end }}
+{{- end }}
+
 {{- define "kvmesh.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
@@ -72,15 +77,15 @@ proxy_location: {{ .Values.serve.proxyLocation }}
 http_options:
   host: {{ .Values.kvmesh.server.host | quote }}
   port: {{ .Values.kvmesh.server.http_port }}
-{{- with .Values.serve.grpcServicerFunctions }}
+{{- if include "kvmesh.grpcEnabled" . }}
 grpc_options:
-  port: {{ $.Values.kvmesh.server.grpc_port }}
+  port: {{ .Values.kvmesh.server.grpc_port }}
   grpc_servicer_functions:
-    {{- toYaml . | nindent 4 }}
+    {{- toYaml .Values.serve.grpcServicerFunctions | nindent 4 }}
 {{- end }}
 applications:
-  - name: {{ .Values.serve.applicationName }}
-    route_prefix: {{ .Values.serve.routePrefix }}
+  - name: {{ .Values.kvmesh.app_name }}
+    route_prefix: {{ .Values.kvmesh.route_prefix }}
     import_path: {{ .Values.serve.importPath }}
     {{- with .Values.serve.runtimeEnv }}
     runtime_env:
@@ -97,7 +102,7 @@ Container ports every Ray pod declares. KubeRay finds the Serve port by the name
 - name: serve
   containerPort: {{ .Values.kvmesh.server.http_port }}
   protocol: TCP
-{{- if .Values.serve.grpcServicerFunctions }}
+{{- if include "kvmesh.grpcEnabled" . }}
 - name: grpc
   containerPort: {{ .Values.kvmesh.server.grpc_port }}
   protocol: TCP

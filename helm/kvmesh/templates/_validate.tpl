@@ -10,7 +10,7 @@ Checks across values that values.schema.json cannot express; each failure says w
 {{- fail (printf "%s=%v is already used by %s in every Ray pod; choose another port" $name $port .) }}
 {{- end }}
 {{- end }}
-{{- if eq (toString $server.http_port) (toString $server.grpc_port) }}
+{{- if and $server.grpc_port (eq (toString $server.http_port) (toString $server.grpc_port)) }}
 {{- fail (printf "kvmesh.server.http_port and kvmesh.server.grpc_port are both %v; they need different ports" $server.http_port) }}
 {{- end }}
 {{- $auto := .Values.kvmesh.autoscaling }}
