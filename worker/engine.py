@@ -29,6 +29,7 @@ class Engine:
         loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = loaded.name
+        self.model_path = loaded.path
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

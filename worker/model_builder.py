@@ -21,6 +21,7 @@ class LoadedModel:
     tokenizer: object
     name: str
     eos_token_ids: list[int]
+    path: object = None  # the Hugging Face directory it was loaded from (None for presets)
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -54,7 +55,7 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int 
     for param in net.parameters():  # RoPE tables stay float32 (they are buffers)
         param.data = param.data.to(dtype)
     net.eval()
-    return LoadedModel(net, config, tokenizer, source.name, eos_ids(config, tokenizer, source))
+    return LoadedModel(net, config, tokenizer, source.name, eos_ids(config, tokenizer, source), source.path)
 
 
 @torch.no_grad()

@@ -1,0 +1,86 @@
+"""Greedy output equals transformers' greedy generate, token for token, however the engine
+batches, chunks and caches."""
+
+import pytest
+
+from kvmesh import LLM, SamplingParams
+from tests.unit.reference import hf_greedy, hf_model_like
+
+MAX_NEW = 32
+
+RAW_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "Paris is the capital of",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24",
+]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+]
+
+
+def engine_variants():
+    """(name, engine kwargs) of the ways the engine must give the same tokens."""
+    return [
+        ("batched", dict()),
+        ("chunked16", dict(max_num_batched_tokens=16)),
+        ("small_blocks_no_cache", dict(block_size=4, enable_prefix_caching=False)),
+    ]
+
+
+def prompt_ids_for(llm: LLM) -> list[list[int]]:
+    ids = [llm.encode(p) for p in RAW_PROMPTS]
+    if getattr(llm.tokenizer, "chat_template", None):
+        ids += [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    return ids
+
+
+def check_model(model: str, num_prompts: int | None = None):
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    base = LLM(model)
+    prompts = prompt_ids_for(base)[:num_prompts]
+    reference = hf_model_like(base)
+    expected = [hf_greedy(reference, ids, MAX_NEW) for ids in prompts]
+
+    alone = [base.generate(prompt_token_ids=[ids], sampling_params=greedy)[0].token_ids for ids in prompts]
+    assert alone == expected, "each prompt alone"
+
+    for name, kwargs in engine_variants():
+        llm = LLM(model, **kwargs)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+        assert got == expected, name
+
+    # Prefix-cache hits: the same prompts again, and again interleaved with their own prefixes.
+    outs = base.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    assert [o.token_ids for o in outs] == expected, "second pass over a warm prefix cache"
+    assert sum(o.num_cached_tokens for o in outs) > 0, "the second pass hits the prefix cache"
+    return base, prompts, expected
+
+
+@pytest.mark.slow
+def test_default_smollm2_matches_transformers():
+    base, prompts, expected = check_model("smollm2-135m-instruct")
+    assert len(prompts) == 8
+    assert all(len(e) > 0 for e in expected)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-llama3"])
+def test_random_presets_match_transformers(preset):
+    base, prompts, expected = check_model(f"random:{preset}")
+    assert all(len(e) == MAX_NEW for e in expected if 258 not in e)
+
+
+def test_shared_prefix_hits_give_same_tokens():
+    llm = LLM("random:tiny-qwen3", block_size=4)
+    reference = hf_model_like(llm)
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    stem = llm.encode("A long shared system prompt that many users send first. ")
+    prompts = [stem + llm.encode(s) for s in ("Hi", "Hello there", "What?", "Tell me more")]
+    expected = [hf_greedy(reference, ids, 12) for ids in prompts]
+    first = llm.generate(prompt_token_ids=prompts[:1], sampling_params=greedy)
+    rest = llm.generate(prompt_token_ids=prompts[1:], sampling_params=greedy)
+    assert [o.token_ids for o in first + rest] == expected
+    assert all(o.num_cached_tokens >= (len(stem) // 4) * 4 - 4 for o in rest)
