@@ -13,6 +13,9 @@ costs O(its blocks). Not thread-safe: `Router` holds the lock.
 """
 
 import sys
+from itertools import accumulate, repeat
+from operator import and_
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ class KVIndex:
         self._workers: dict[str, _WorkerEntry] = {}
         self._slot_owner: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
+        self._all_mask = 0  # bits of every registered worker
         self.num_evicted = 0  # hashes dropped to stay within max_blocks
         self.num_resyncs = 0  # gaps / new epochs seen
 
@@ -68,6 +72,7 @@ class KVIndex:
         self._drop_blocks(entry)
         self._slot_owner[entry.slot] = None
         self._free_slots.append(entry.slot)
+        self._all_mask &= ~(1 << entry.slot)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -189,6 +194,7 @@ class KVIndex:
                 slot = len(self._slot_owner)
                 self._slot_owner.append(worker_id)
             entry = self._workers[worker_id] = _WorkerEntry(slot=slot)
+            self._all_mask |= 1 << slot
         return entry
 
     # ---- queries -----------------------------------------------------------------------------
@@ -198,29 +204,35 @@ class KVIndex:
         """Number of leading blocks of `block_hashes` each worker holds; workers with none are left
         out. `worker_ids` restricts the answer to those workers."""
         if worker_ids is None:
-            alive = 0
-            for entry in self._workers.values():
-                alive |= 1 << entry.slot
+            alive = self._all_mask
         else:
             alive = 0
             for wid in worker_ids:
                 entry = self._workers.get(wid)
                 if entry is not None:
                     alive |= 1 << entry.slot
+        if not alive or not block_hashes:
+            return {}
+        # running[i] = workers holding blocks 0..i. The loops run in C (map, accumulate), and as a
+        # subset's bitmask is never larger than its superset's, `running` is non-increasing: the
+        # first 0 is found by bisection and every worker's drop-out point by a few index() scans.
+        masks = map(self._blocks.get, block_hashes, repeat(0, len(block_hashes)))
+        running = list(accumulate(masks, and_, initial=alive))[1:]
+        num_leading = bisect_left(running, True, key=_is_zero)  # running[:num_leading] are non-zero
         result: dict[str, int] = {}
         owner = self._slot_owner
-        get = self._blocks.get
-        for i, h in enumerate(block_hashes):
-            still = alive & get(h, 0)
-            if still != alive:
-                if i:
-                    for slot in _bits(alive & ~still):
-                        result[owner[slot]] = i
-                alive = still
-                if not alive:
-                    return result
-        for slot in _bits(alive):
-            result[owner[slot]] = len(block_hashes)
+        prev, start = alive, 0
+        while start < num_leading:
+            current = running[start]
+            if current != prev and start:
+                for slot in _bits(prev & ~current):
+                    result[owner[slot]] = start
+            prev = current
+            # next change: the first index whose mask differs from `current` (smaller, since non-increasing)
+            start = bisect_left(running, True, lo=start, hi=num_leading, key=current.__gt__)
+        if prev and num_leading:
+            for slot in _bits(prev):
+                result[owner[slot]] = num_leading
         return result
 
     def holders(self, block_hash: int) -> list[str]:
@@ -243,6 +255,10 @@ class KVIndex:
 
 # An OrderedDict keeps a linked-list node per key outside the dict table (key, hash, prev, next).
 _ODICT_NODE_BYTES = 48
+
+
+def _is_zero(mask: int) -> bool:
+    return mask == 0
 
 
 def _bits(mask: int):

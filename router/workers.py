@@ -50,6 +50,13 @@ class LoadColumns:
     kv_usage: np.ndarray  # [n] float64 in [0, 1]
     cap: np.ndarray  # [n] float64, inf = no cap
     pos: dict[str, int] | None = None  # worker id -> row (built on first use if not given)
+    id_array: np.ndarray | None = None  # [n] object: ids, for fast fancy indexing
+
+    def ids_at(self, rows) -> list[str]:
+        """The ids of `rows` (an index array), in that order."""
+        if self.id_array is None:
+            self.id_array = np.array(self.ids, dtype=object)
+        return self.id_array[rows].tolist()
 
     def row(self, worker_id: str) -> int | None:
         if self.pos is None:
@@ -89,6 +96,7 @@ class WorkerSet(Sequence[WorkerState]):
         self._pos: dict[str, int] = {}
         self._n = 0
         self._store = LoadColumns.from_states([])
+        self._id_array = np.empty(0, dtype=object)
         self._grow(16)
 
     def _grow(self, capacity: int) -> None:
@@ -106,6 +114,7 @@ class WorkerSet(Sequence[WorkerState]):
             running_decode_tokens=resized(old.running_decode_tokens, 0.0, np.float64),
             kv_usage=resized(old.kv_usage, 0.0, np.float64),
             cap=resized(old.cap, math.inf, np.float64))
+        self._id_array = resized(self._id_array, None, object)
 
     def __len__(self) -> int:
         return self._n
@@ -138,6 +147,7 @@ class WorkerSet(Sequence[WorkerState]):
         state = WorkerState(worker_id, cap=cap, healthy=healthy)
         self._states.append(state)
         self._store.ids.append(worker_id)
+        self._id_array[self._n] = worker_id
         self._pos[worker_id] = self._n
         self._n += 1
         self._write(self._n - 1)
@@ -152,10 +162,12 @@ class WorkerSet(Sequence[WorkerState]):
             moved = self._states[last]
             self._states[i] = moved
             self._store.ids[i] = moved.worker_id
+            self._id_array[i] = moved.worker_id
             self._pos[moved.worker_id] = i
             self._write(i)
         self._states.pop()
         self._store.ids.pop()
+        self._id_array[last] = None
         self._n -= 1
 
     def update_load(self, load: WorkerLoad) -> None:
@@ -186,4 +198,5 @@ class WorkerSet(Sequence[WorkerState]):
         return LoadColumns(ids=s.ids, healthy=s.healthy[:n], outstanding=s.outstanding[:n],
                            waiting_prefill_tokens=s.waiting_prefill_tokens[:n],
                            running_decode_tokens=s.running_decode_tokens[:n],
-                           kv_usage=s.kv_usage[:n], cap=s.cap[:n], pos=self._pos)
+                           kv_usage=s.kv_usage[:n], cap=s.cap[:n], pos=self._pos,
+                           id_array=self._id_array[:n])

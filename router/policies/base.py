@@ -39,25 +39,24 @@ class Policy:
 
 def rank_by_score(score: np.ndarray, cols: LoadColumns, rng: np.random.Generator) -> list[str]:
     """Eligible workers by ascending score (a tie for the best broken at random), then spill-over."""
-    eligible_idx = np.flatnonzero(cols.eligible)
-    ids = cols.ids
-    ranked: list[str] = []
-    if len(eligible_idx):
-        scores = score[eligible_idx]
-        order = eligible_idx[np.argsort(scores, kind="stable")]
-        best = scores.min()
-        num_tied = int(np.count_nonzero(scores == best))
-        if num_tied > 1:
-            pick = int(rng.integers(num_tied))
-            order[0], order[pick] = order[pick], order[0]
-        ranked = [ids[i] for i in order]
-    return ranked + spill_over(cols)
+    eligible = cols.eligible
+    if eligible.all():
+        order = np.argsort(score, kind="stable")
+        ranked_scores = score[order]
+    else:
+        rows = np.flatnonzero(eligible)
+        sub = np.argsort(score[rows], kind="stable")
+        order, ranked_scores = rows[sub], score[rows][sub]
+    if len(order) > 1 and ranked_scores[1] == ranked_scores[0]:
+        num_tied = int(np.searchsorted(ranked_scores, ranked_scores[0], side="right"))
+        pick = int(rng.integers(num_tied))
+        order[0], order[pick] = order[pick], order[0]
+    return cols.ids_at(order) + spill_over(cols)
 
 
 def ranked_order(order: Sequence[int], cols: LoadColumns) -> list[str]:
     """Given eligible row indices in the policy's order, append the spill-over."""
-    ids = cols.ids
-    return [ids[i] for i in order] + spill_over(cols)
+    return cols.ids_at(np.asarray(order, dtype=np.intp)) + spill_over(cols)
 
 
 def spill_over(cols: LoadColumns) -> list[str]:
@@ -65,5 +64,4 @@ def spill_over(cols: LoadColumns) -> list[str]:
     full = np.flatnonzero(cols.healthy & (cols.outstanding >= cols.cap))
     if not len(full):
         return []
-    ids = cols.ids
-    return [ids[i] for i in full[np.argsort(cols.outstanding[full], kind="stable")]]
+    return cols.ids_at(full[np.argsort(cols.outstanding[full], kind="stable")])

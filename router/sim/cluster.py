@@ -1,0 +1,152 @@
+"""The discrete-event loop: arrivals are routed by the real `Router`, workers step, their KV events
+and loads flow back into that same Router, as they do in the cluster.
+
+Decision latency is the wall-clock time of `Router.route_request` (lock, index lookup, policy).
+"""
+
+import heapq
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvmesh.router import Router
+from kvmesh.router.policies.base import RouteRequest
+from kvmesh.router.sim.calibration import CostModel
+from kvmesh.router.sim.worker import Job, SimWorker
+from kvmesh.router.sim.workloads import Workload
+
+_STEP, _ARRIVAL = 0, 1  # a step ending at the same instant as an arrival is processed first
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_workers: int = 16
+    block_size: int = 16
+    kv_blocks: int | None = None  # per worker; default: what fits on the modelled GPU
+    max_batch: int = 128  # running requests per worker
+    max_batched_tokens: int = 8192  # tokens per engine step (decodes + prompt chunks)
+    cap: int | None = 256  # router cap: max outstanding requests per worker
+    index_max_blocks: int | None = None  # router index bound; default: every worker's pool, no drops
+    seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self):
+        for name in ("num_workers", "max_batch", "max_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cap is not None and self.cap < 1:
+            raise ValueError(f"cap must be >= 1, got {self.cap}")
+        if self.max_batched_tokens < self.max_batch:
+            raise ValueError("max_batched_tokens must be >= max_batch (every decode needs a slot)")
+
+    @property
+    def blocks_per_worker(self) -> int:
+        return self.kv_blocks or self.cost.kv_capacity_blocks()
+
+
+@dataclass
+class SimResult:
+    policy: str
+    jobs: list[Job]
+    workers: list[SimWorker]
+    decision_ns: list[int]
+    violations: int  # routed past the cap while a worker sat idle
+    router: Router
+    wall_s: float
+
+
+def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool = False,
+             **policy_kwargs) -> SimResult:
+    """Run `workload` (arrivals already assigned) through a cluster routed by `policy`."""
+    if workload.block_size != config.block_size:
+        raise ValueError(f"workload hashed with block_size {workload.block_size}, "
+                         f"config has {config.block_size}")
+    started = time.perf_counter()
+    blocks = config.blocks_per_worker
+    if policy == "prefix_approx":
+        policy_kwargs.setdefault("max_blocks_per_worker", blocks)
+    router = Router(policy=policy, block_size=config.block_size,
+                    max_blocks=config.index_max_blocks or blocks * config.num_workers,
+                    seed=config.seed, default_cap=config.cap, **policy_kwargs)
+    workers = [SimWorker(f"worker-{i}", config.cost, blocks, config.max_batch, config.max_batched_tokens)
+               for i in range(config.num_workers)]
+    by_id = {w.worker_id: i for i, w in enumerate(workers)}
+    for w in workers:
+        router.add_worker(w.worker_id)
+        router.update_load(w.load(0.0))
+    versions = [0] * len(workers)
+    followups: dict[int, list] = {}
+    heap: list = []
+    order = 0
+    for r in workload.requests:
+        if r.after is None:
+            heap.append((r.arrival, _ARRIVAL, order, r))
+            order += 1
+        else:
+            followups.setdefault(r.after, []).append(r)
+    heapq.heapify(heap)
+
+    jobs: list[Job] = []
+    decision_ns: list[int] = []
+    violations = 0
+    cap = config.cap
+    bar = _progress(len(workload.requests), policy, progress)
+
+    def publish(w: SimWorker, now: float) -> None:
+        batch = w.take_event_batch(now)
+        if batch is not None and not router.on_events(batch):
+            raise AssertionError(f"simulated worker {w.worker_id} sent a batch out of order")
+        router.update_load(w.load(now))
+
+    while heap:
+        now, kind, _, payload = heapq.heappop(heap)
+        if kind == _ARRIVAL:
+            request = payload
+            route_request = RouteRequest(request.prompt_hashes(config.block_size), request.prompt_len,
+                                         request.session_key)
+            t0 = time.perf_counter_ns()
+            ranked = router.route_request(route_request)
+            decision_ns.append(time.perf_counter_ns() - t0)
+            i = by_id[ranked[0]]
+            w = workers[i]
+            if cap is not None and w.outstanding >= cap and min(x.outstanding for x in workers) == 0:
+                violations += 1
+            job = Job(request=request, arrival=now)
+            jobs.append(job)
+            end = w.submit(job, now)
+            publish(w, now)
+        else:
+            i, version = payload
+            if version != versions[i]:
+                continue
+            w = workers[i]
+            _, finished, end = w.on_step_end(now)
+            publish(w, now)
+            for job in finished:
+                bar.update(1)
+                for child in followups.pop(job.request.request_id, ()):
+                    child.arrival = now + child.think_time_s
+                    heapq.heappush(heap, (child.arrival, _ARRIVAL, order, child))
+                    order += 1
+        if end is not None:
+            versions[i] += 1
+            heapq.heappush(heap, (end, _STEP, order, (i, versions[i])))
+            order += 1
+    bar.close()
+    return SimResult(policy, jobs, workers, decision_ns, violations, router,
+                     time.perf_counter() - started)
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, policy: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=f"sim {policy}", unit="req", file=sys.stderr, leave=False)

@@ -1,0 +1,153 @@
+"""KVIndex: applies numbered event batches, resyncs on gaps and restarts, stays bounded."""
+
+from kvmesh.hashing import block_hashes
+from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
+from kvmesh.router.index import KVIndex
+
+B = 16
+PROMPT = list(range(5 * B))  # 5 full blocks
+H = block_hashes(PROMPT, B)
+
+
+def stored(hashes):
+    return BlockStored(block_hashes=list(hashes), parent_hash=None, num_tokens=len(hashes) * B)
+
+
+def batch(worker, seq, *events, epoch=0):
+    return KVEventBatch(worker_id=worker, epoch=epoch, seq=seq, events=list(events))
+
+
+def test_stored_blocks_give_leading_overlap_per_worker():
+    index = KVIndex()
+    assert index.apply(batch("a", 0, stored(H[:3])))
+    assert index.apply(batch("b", 0, stored(H)))
+    assert index.overlap(H) == {"a": 3, "b": 5}
+    assert index.num_blocks == 5
+
+
+def test_overlap_counts_only_leading_blocks():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored([H[0], H[2], H[3]])))
+    assert index.overlap(H) == {"a": 1}
+    assert index.overlap(H[1:]) == {}
+
+
+def test_overlap_restricted_to_given_workers():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H)))
+    index.apply(batch("b", 0, stored(H[:2])))
+    assert index.overlap(H, worker_ids=["b", "zz"]) == {"b": 2}
+
+
+def test_removed_and_cleared_blocks_leave_the_index():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H)))
+    index.apply(batch("b", 0, stored(H[:2])))
+    assert index.apply(batch("a", 1, BlockRemoved([H[3], H[4]])))
+    assert index.overlap(H) == {"a": 3, "b": 2}
+    assert index.apply(batch("b", 1, AllCleared()))
+    assert index.overlap(H) == {"a": 3}
+    assert index.num_blocks == 3
+
+
+def test_a_gap_drops_the_worker_and_asks_for_a_snapshot_then_replays_later_batches():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H[:2])))
+    assert not index.apply(batch("a", 2, stored(H[2:3])))  # seq 1 was lost
+    assert index.overlap(H) == {}
+    assert index.awaiting_snapshot("a")
+    assert index.apply(batch("a", 3, stored(H[3:4])))  # kept while the snapshot is on its way
+    assert index.apply_snapshot(KVSnapshot(worker_id="a", epoch=0, seq=2, block_hashes=H[:3]))
+    assert index.overlap(H) == {"a": 4}
+    assert not index.awaiting_snapshot("a")
+    assert index.num_resyncs == 1
+
+
+def test_a_restart_is_a_new_epoch_and_needs_a_snapshot():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H)))
+    assert not index.apply(batch("a", 0, stored(H[:1]), epoch=1))
+    assert index.overlap(H) == {}
+    assert index.apply_snapshot(KVSnapshot(worker_id="a", epoch=1, seq=0, block_hashes=H[:1]))
+    assert index.overlap(H) == {"a": 1}
+    assert index.apply(batch("a", 1, stored(H[1:2]), epoch=1))
+    assert index.overlap(H) == {"a": 2}
+
+
+def test_duplicate_or_stale_batches_are_ignored():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H[:2])))
+    index.apply(batch("a", 1, BlockRemoved([H[1]])))
+    assert index.apply(batch("a", 1, BlockRemoved([H[0]])))  # seq 1 again: already applied
+    assert index.overlap(H) == {"a": 1}
+
+
+def test_a_worker_first_seen_mid_stream_needs_a_snapshot():
+    index = KVIndex()
+    assert not index.apply(batch("a", 7, stored(H[:1])))
+    assert index.apply(batch("a", 8, stored(H[1:2])))  # snapshot already asked for: no second ask
+    assert index.apply_snapshot(KVSnapshot(worker_id="a", epoch=0, seq=7, block_hashes=H[:1]))
+    assert index.overlap(H) == {"a": 2}
+
+
+def test_a_snapshot_that_leaves_a_gap_asks_again():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H[:1])))
+    assert not index.apply(batch("a", 5, stored(H[1:2])))
+    assert not index.apply_snapshot(KVSnapshot(worker_id="a", epoch=0, seq=3, block_hashes=H[:1]))
+    assert index.awaiting_snapshot("a")
+    assert index.apply_snapshot(KVSnapshot(worker_id="a", epoch=0, seq=4, block_hashes=H[:1]))
+    assert index.overlap(H) == {"a": 2}
+
+
+def test_memory_bound_drops_least_recently_stored_first():
+    index = KVIndex(max_blocks=3)
+    index.apply(batch("a", 0, stored(H[:3])))
+    index.apply(batch("b", 0, stored([H[0]])))  # H[0] stored again: now the most recent
+    index.apply(batch("a", 1, stored([H[3]])))  # over the bound: H[1] is the oldest
+    assert index.num_blocks == 3
+    assert index.num_evicted == 1
+    assert index.holders(H[1]) == []
+    assert index.worker_blocks("a") == {H[0], H[2], H[3]}
+    assert index.overlap(H) == {"a": 1, "b": 1}
+
+
+def test_remove_worker_drops_only_its_blocks_and_frees_its_slot():
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(H)))
+    index.apply(batch("b", 0, stored(H[:2])))
+    index.remove_worker("a")
+    assert index.overlap(H) == {"b": 2}
+    assert index.num_blocks == 2
+    index.apply(batch("c", 0, stored(H[:1])))  # reuses a's slot: no stale bits
+    assert index.overlap(H) == {"b": 2, "c": 1}
+    assert index.worker_ids == ["b", "c"]
+
+
+def test_approx_bytes_grows_with_blocks():
+    index = KVIndex()
+    empty = index.approx_bytes()
+    index.apply(batch("a", 0, stored(block_hashes(list(range(1600)), B))))
+    assert index.approx_bytes() > empty + 100 * 40
+
+
+def test_overlap_matches_a_brute_force_count_on_random_holdings():
+    import random
+    rng = random.Random(0)
+    hashes = block_hashes(list(range(40 * B)), B)
+    index = KVIndex()
+    holdings = {}
+    for w in range(12):
+        held = {h for h in hashes if rng.random() < 0.9} if w % 3 else set(hashes[:rng.randrange(40)])
+        holdings[f"w{w}"] = held
+        index.apply(batch(f"w{w}", 0, stored(sorted(held))))
+    for trial in range(50):
+        query = hashes[:rng.randrange(1, 41)]
+        expected = {}
+        for wid, held in holdings.items():
+            n = 0
+            while n < len(query) and query[n] in held:
+                n += 1
+            if n:
+                expected[wid] = n
+        assert index.overlap(query) == expected

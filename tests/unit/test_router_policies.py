@@ -1,0 +1,207 @@
+"""Each policy's contract: what it picks, what it never picks."""
+
+import collections
+
+import pytest
+
+from kvmesh.hashing import block_hashes
+from kvmesh.protocol import BlockStored, KVEventBatch, WorkerLoad
+from kvmesh.router import CostWeights, KVIndex, RouteRequest, WorkerSet, WorkerState, make_policy
+from kvmesh.router.policies import POLICY_NAMES
+
+B = 16
+PROMPT = list(range(10 * B))
+H = block_hashes(PROMPT, B)
+REQ = RouteRequest(block_hashes=H, num_prompt_tokens=len(PROMPT))
+
+
+def workers(*outstanding, cap=None, unhealthy=()):
+    return [WorkerState(f"w{i}", WorkerLoad(f"w{i}", running=n), healthy=f"w{i}" not in unhealthy, cap=cap)
+            for i, n in enumerate(outstanding)]
+
+
+def index_with(holdings: dict[str, int]) -> KVIndex:
+    index = KVIndex()
+    for wid, n in holdings.items():
+        index.apply(KVEventBatch(wid, 0, 0, [BlockStored(H[:n], None, n * B)]))
+    return index
+
+
+def policy(name, index=None, **kw):
+    return make_policy(name, index=index if index is not None else KVIndex(), block_size=B, seed=0, **kw)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_skips_unhealthy_and_puts_full_workers_last(name):
+    ws = workers(0, 0, 5, 0, cap=4, unhealthy=("w1",))
+    for _ in range(8):
+        ranked = policy(name).rank(REQ, ws)
+        assert "w1" not in ranked
+        assert ranked[-1] == "w2"  # the only full one: spill-over only
+        assert sorted(ranked[:-1]) == ["w0", "w3"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_returns_nothing_when_no_worker_is_healthy(name):
+    assert policy(name).rank(REQ, workers(0, 0, unhealthy=("w0", "w1"))) == []
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_accepts_a_worker_set(name):
+    ws = WorkerSet()
+    for i in range(3):
+        ws.add(f"w{i}", cap=2)
+    ws.update_load(WorkerLoad("w1", running=2))
+    ranked = policy(name).rank(REQ, ws)
+    assert ranked[-1] == "w1" and sorted(ranked) == ["w0", "w1", "w2"]
+
+
+def test_round_robin_cycles_over_eligible_workers():
+    p = policy("round_robin")
+    ws = workers(0, 0, 0)
+    assert [p.rank(REQ, ws)[0] for _ in range(6)] == ["w0", "w1", "w2", "w0", "w1", "w2"]
+
+
+def test_least_loaded_picks_fewest_outstanding_then_fewest_queued_tokens():
+    ws = workers(3, 1, 1, 2)
+    ws[1].load.waiting_prefill_tokens = 500
+    ws[2].load.waiting_prefill_tokens = 100
+    assert policy("least_loaded").rank(REQ, ws) == ["w2", "w1", "w3", "w0"]
+
+
+def test_power_of_two_never_picks_the_most_loaded():
+    p = policy("power_of_two")
+    ws = workers(0, 5, 10)
+    firsts = collections.Counter(p.rank(REQ, ws)[0] for _ in range(200))
+    assert set(firsts) == {"w0", "w1"}
+    assert firsts["w0"] > firsts["w1"]  # w0 wins whenever sampled: 2/3 of the time
+
+
+def test_session_keeps_a_key_on_one_worker():
+    p = policy("session")
+    ws = workers(0, 0, 0, 0)
+    req = RouteRequest(H, len(PROMPT), session_key="user-42")
+    assert len({p.rank(req, ws)[0] for _ in range(20)}) == 1
+
+
+def test_session_skips_a_full_owner_to_the_next_on_the_ring():
+    p = policy("session")
+    ws = workers(0, 0, 0, 0, cap=1)
+    req = RouteRequest(H, len(PROMPT), session_key="user-42")
+    first, second = p.rank(req, ws)[:2]
+    ws[int(first[1:])].load.running = 1
+    assert p.rank(req, ws)[0] == second
+
+
+def test_session_without_a_key_groups_by_first_block():
+    p = policy("session")
+    ws = workers(0, 0, 0, 0, 0, 0, 0, 0)
+    other_suffixes = [RouteRequest(block_hashes(PROMPT[:B] + [7000 + i] * B, B), 2 * B) for i in range(10)]
+    assert len({p.rank(r, ws)[0] for r in other_suffixes}) == 1
+
+
+def _owners(p, keys):
+    return {k: p.owner(k) for k in keys}
+
+
+def test_session_moves_only_keys_of_the_leaving_worker_and_about_1_over_n_on_join():
+    p = make_policy("session")
+    for i in range(10):
+        p.add_worker(f"w{i}")
+    keys = [f"session-{i}" for i in range(5000)]
+    before = _owners(p, keys)
+    p.add_worker("w10")
+    after_join = _owners(p, keys)
+    moved = [k for k in keys if before[k] != after_join[k]]
+    assert all(after_join[k] == "w10" for k in moved)  # only to the new worker
+    assert 0.04 < len(moved) / len(keys) < 0.16  # ~1/11
+    p.remove_worker("w3")
+    after_leave = _owners(p, keys)
+    moved = [k for k in keys if after_join[k] != after_leave[k]]
+    assert moved and all(after_join[k] == "w3" for k in moved)  # only w3's keys move
+
+
+def test_prefix_approx_sends_a_repeated_prefix_where_it_sent_it_before():
+    p = policy("prefix_approx")
+    ws = workers(0, 0, 0, 0)
+    first = p.rank(REQ, ws)[0]
+    for w in ws:
+        w.load.running = 1 if w.worker_id == first else 0  # its own earlier request
+    assert p.rank(REQ, ws)[0] == first
+    other = RouteRequest(block_hashes([9] * 10 * B, B), 10 * B)
+    assert p.rank(other, ws)[0] != first  # no match: least loaded
+
+
+def test_prefix_approx_balances_when_load_is_imbalanced():
+    p = policy("prefix_approx", balance_abs=4, balance_rel=1.5)
+    ws = workers(0, 0)
+    first = p.rank(REQ, ws)[0]
+    ws[int(first[1:])].load.running = 10
+    assert p.rank(REQ, ws)[0] != first
+
+
+def test_prefix_approx_history_is_bounded_per_worker():
+    p = policy("prefix_approx", max_blocks_per_worker=4)
+    ws = workers(0)
+    p.rank(REQ, ws)
+    assert p.tree.num_blocks == 4
+    assert p.tree.overlap(H) == {}  # the first blocks were the least recent
+    assert p.tree.worker_blocks("w0") == set(H[-4:])
+
+
+def test_kv_events_prefers_the_worker_holding_the_prefix():
+    p = policy("kv_events", index_with({"w2": 10, "w1": 4}))
+    assert p.rank(REQ, workers(0, 0, 0, 0))[:2] == ["w2", "w1"]
+
+
+def test_kv_events_ignores_cache_on_a_full_or_unhealthy_worker():
+    p = policy("kv_events", index_with({"w2": 10, "w1": 4}))
+    assert p.rank(REQ, workers(0, 0, 3, 0, cap=3))[0] == "w1"
+    assert p.rank(REQ, workers(0, 0, 0, 0, unhealthy=("w2",)))[0] == "w1"
+
+
+def test_kv_events_trades_cache_hits_against_queued_prefill():
+    p = policy("kv_events", index_with({"w0": 10}))
+    ws = workers(0, 0)
+    ws[0].load.waiting_prefill_tokens = 100  # less than the 144 tokens it would save
+    assert p.rank(REQ, ws)[0] == "w0"
+    ws[0].load.waiting_prefill_tokens = 200  # more
+    assert p.rank(REQ, ws)[0] == "w1"
+
+
+def test_kv_events_cost_caps_a_full_hit_one_token_short():
+    p = policy("kv_events", index_with({"w0": 10}))
+    ws = workers(0, 0)
+    cached = p.cached_tokens(REQ, make_cols(ws))
+    assert cached.tolist() == [len(PROMPT) - 1, 0]
+
+
+def make_cols(ws):
+    from kvmesh.router.workers import LoadColumns
+    return LoadColumns.from_states(ws)
+
+
+def test_kv_events_breaks_ties_at_random():
+    p = policy("kv_events")
+    firsts = collections.Counter(p.rank(REQ, workers(0, 0, 0, 0))[0] for _ in range(400))
+    assert set(firsts) == {"w0", "w1", "w2", "w3"}
+
+
+def test_kv_events_temperature_spreads_the_first_choice():
+    cold = policy("kv_events", index_with({"w0": 10}))
+    hot = policy("kv_events", index_with({"w0": 10}), temperature=1.0)
+    ws = workers(0, 0, 0)
+    assert {cold.rank(REQ, ws)[0] for _ in range(50)} == {"w0"}
+    hot_firsts = collections.Counter(hot.rank(REQ, ws)[0] for _ in range(300))
+    assert len(hot_firsts) == 3 and hot_firsts["w0"] == max(hot_firsts.values())
+
+
+def test_make_policy_rejects_unknown_names_and_options():
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="takes no option 'virtual_nodes'"):
+        make_policy("round_robin", virtual_nodes=3)
+    with pytest.raises(ValueError, match="needs the KV index"):
+        make_policy("kv_events")
+    with pytest.raises(ValueError, match="kv_pressure must be >= 0"):
+        CostWeights(kv_pressure=-1)
