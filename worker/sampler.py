@@ -1,9 +1,9 @@
 """Sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Each request samples from its own row. A seeded request draws its randomness from its own
-generator, so its output does not depend on what else is in the batch. Sampling uses the
-exponential-race trick (argmax of p / Exp(1)), which equals multinomial sampling and needs one
-random vector per row.
+The batch is sampled with tensor operations and one host sync (the final .tolist()). A seeded
+request draws its randomness from its own generator, so its output does not depend on what else is
+in the batch. Sampling uses the exponential race (argmax of p / Exp(1)), which equals multinomial
+sampling and needs one random vector per row.
 """
 
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ class SampleResult:
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                     output_ids: list[int]) -> torch.Tensor:
-    """vLLM's semantics: repetition over prompt + output, presence/frequency over output."""
+    """vLLM's semantics: repetition over prompt + output, presence/frequency over output (one row)."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device, dtype=torch.long)
         values = logits[seen]
@@ -35,31 +35,31 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (one row, float32)."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p. logits [N, V] float32 -> [N, V]."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        values = torch.topk(logits, max(top_k), dim=-1).values  # [N, kmax], descending
+        index = torch.tensor([max(k - 1, 0) for k in top_k], device=device).unsqueeze(1)
+        kth = values.gather(1, index)
+        kth = torch.where(torch.tensor(top_k, device=device).unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest set whose mass reaches top_p (the top token is always kept)
-        drop_sorted = (cumulative - sorted_probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
-
-
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = filtered_probs(logits, params)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int(torch.argmax(probs / noise))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 class Sampler:
@@ -71,23 +71,45 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests) -> SampleResult:
         """logits: [N, vocab] for N requests (in order); returns one token per request."""
         logits = logits.float()
-        token_ids: list[int] = []
-        want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
-        logprobs, tops = [], []
+        params = [r.sampling_params for r in requests]
         for i, req in enumerate(requests):
-            params = req.sampling_params
-            row = logits[i]
-            if params.uses_penalties:
-                row = apply_penalties(row.clone(), params, req.prompt_token_ids, req.output_token_ids)
-            token = sample_row(row, params, req.generator or self.generator)
-            token_ids.append(token)
-            if want_logprobs:
-                logp = torch.log_softmax(logits[i], dim=-1)  # of the model's distribution
-                logprobs.append(float(logp[token]))
-                top = None
-                if params.logprobs:
-                    values, ids = torch.topk(logp, params.logprobs)
-                    top = dict(zip(ids.tolist(), values.tolist()))
-                tops.append(top)
-        return SampleResult(token_ids, logprobs if want_logprobs else None,
-                            tops if want_logprobs else [None] * len(requests))
+            if params[i].uses_penalties:
+                logits[i] = apply_penalties(logits[i].clone(), params[i], req.prompt_token_ids, req.output_token_ids)
+        tokens = logits.argmax(dim=-1)  # [N]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
+            noise = torch.empty_like(probs)
+            shared = [j for j, i in enumerate(random_rows) if requests[i].generator is None]
+            if shared:
+                noise[shared] = torch.empty((len(shared), probs.shape[1]), device=logits.device).exponential_(
+                    1.0, generator=self.generator)
+            for j, i in enumerate(random_rows):
+                if requests[i].generator is not None:
+                    noise[j].exponential_(1.0, generator=requests[i].generator)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        want_logprobs = [p.logprobs is not None for p in params]
+        if not any(want_logprobs):
+            return SampleResult(tokens.tolist(), None, [None] * len(requests))
+        logp = torch.log_softmax(logits, dim=-1)  # of the model's (penalised) distribution
+        sampled_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        kmax = max(p.logprobs or 0 for p in params)
+        top_values, top_ids = (torch.topk(logp, kmax, dim=-1) if kmax else (None, None))
+        token_list, logp_list = tokens.tolist(), sampled_logp.tolist()
+        tops = []
+        for i, p in enumerate(params):
+            if p.logprobs:
+                tops.append(dict(zip(top_ids[i, :p.logprobs].tolist(), top_values[i, :p.logprobs].tolist())))
+            else:
+                tops.append(None)
+        return SampleResult(token_list, logp_list, tops)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One row, for tests and tools: the same arithmetic as Sampler.sample."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = filtered_probs(logits.float().unsqueeze(0), [params])[0]
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return int(torch.argmax(probs / noise))

@@ -14,7 +14,7 @@ LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
 
 def support(params: SamplingParams) -> list[int]:
-    return torch.nonzero(filtered_probs(LOGITS.clone(), params)).flatten().tolist()
+    return torch.nonzero(filtered_probs(LOGITS.clone().unsqueeze(0), [params])[0]).flatten().tolist()
 
 
 def test_top_k_keeps_the_k_largest():
@@ -26,7 +26,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert support(SamplingParams(temperature=1.0, top_p=0.5)) == [0]
     assert support(SamplingParams(temperature=1.0, top_p=0.6)) == [0, 1]
     assert support(SamplingParams(temperature=1.0, top_p=0.85)) == [0, 1, 2]
-    probs = filtered_probs(LOGITS.clone(), SamplingParams(temperature=1.0, top_p=0.85))
+    probs = filtered_probs(LOGITS.clone().unsqueeze(0), [SamplingParams(temperature=1.0, top_p=0.85)])[0]
     assert math.isclose(float(probs[0]), 0.5 / 0.85, rel_tol=1e-5)
 
 
@@ -36,9 +36,18 @@ def test_min_p_drops_tokens_below_fraction_of_the_top():
 
 
 def test_temperature_sharpens_and_greedy_is_argmax():
-    cold = filtered_probs(LOGITS.clone(), SamplingParams(temperature=0.5))
+    cold = filtered_probs(LOGITS.clone().unsqueeze(0), [SamplingParams(temperature=0.5)])[0]
     assert math.isclose(float(cold[0]), 0.25 / (0.25 + 0.04 + 0.0225 + 0.01 + 0.0025), rel_tol=1e-5)
     assert sample_row(LOGITS.clone(), SamplingParams(temperature=0), None) == 0
+
+
+def test_batched_filters_equal_each_row_alone():
+    batch = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=1.3, min_p=0.1), SamplingParams(temperature=1.0, top_k=20, top_p=0.5)]
+    together = filtered_probs(batch.clone(), params)
+    for i, p in enumerate(params):
+        assert torch.allclose(together[i], filtered_probs(batch[i:i + 1].clone(), [p])[0], atol=1e-7)
 
 
 def test_seeded_samples_repeat_and_follow_the_distribution():
