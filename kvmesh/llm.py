@@ -94,7 +94,8 @@ class LLM:
         # Validate every request before queueing any, so a bad one leaves nothing half-done.
         requests = []
         for text, ids, p in zip(texts, token_lists, params):
-            requests.append(EngineRequest(f"req-{next(self._ids)}", ids, p, prompt=text))
+            requests.append(EngineRequest(f"req-{next(self._ids)}", ids, p, prompt=text,
+                                          stream_text=bool(p.stop)))
         for r in requests:
             self.engine.validate_request(r)
         outputs: dict[str, RequestOutput] = {}
@@ -132,4 +133,14 @@ class LLM:
                 bar.close()
             for r in requests:
                 self.engine.abort_request(r.request_id)  # no-op for finished ones
+        for r in requests:
+            if not r.stream_text:
+                out = outputs[r.request_id]
+                out.text = self._decode_output(out.token_ids, r.sampling_params, out.finish_reason)
         return [outputs[r.request_id] for r in requests]
+
+    def _decode_output(self, token_ids: list[int], params: SamplingParams, finish_reason) -> str:
+        """The whole output's text at once (a stop token id is not part of the text)."""
+        if finish_reason == "stop" and token_ids and token_ids[-1] in params.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -85,6 +85,9 @@ class EngineRequest:
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     prompt: str | None = None
+    # False: the engine returns no text deltas (the caller decodes the finished token ids once);
+    # stop strings still work. Offline batch generation uses it to keep detokenizing off the step.
+    stream_text: bool = True
 
 
 @dataclass

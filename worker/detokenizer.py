@@ -59,6 +59,12 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool) -> str:
         """Text ready to return: everything on finish, else all but the held back tail."""
+        if final and not self.stopped and self.read_offset < len(self.token_ids):
+            # the output ended inside an incomplete character: emit what decoding gives for it
+            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            full_text = self._decode(self.token_ids[self.prefix_offset:])
+            self.text += full_text[len(prefix_text):]
+            self.read_offset = len(self.token_ids)
         end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.holdback)
         delta = self.text[self.emitted:end]
         self.emitted = end

@@ -107,7 +107,8 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        if request.stream_text or params.stop:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -160,7 +161,7 @@ class Engine:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        stop = req.detokenizer.add_tokens([token])
+        stop = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
         if stop is not None:
             req.stop_reason = stop
             return "stop"
@@ -188,7 +189,7 @@ class Engine:
         return [delta]
 
     def _delta(self, req: Request, token_ids: list[int], logprob, top=None) -> TokenDelta:
-        text = req.detokenizer.take_delta(final=req.is_finished)
+        text = req.detokenizer.take_delta(final=req.is_finished) if req.detokenizer is not None else ""
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,

@@ -133,3 +133,25 @@ def test_logprobs_of_sampled_tokens():
     for token, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
         assert max(top, key=top.get) == token  # greedy: the sampled token is the most likely
         assert math.isclose(top[token], lp, rel_tol=1e-5)
+
+
+def test_batch_text_equals_streamed_text():
+    from kvmesh import LLM
+
+    llm = LLM("random:tiny-llama")
+    ids = llm.encode("streamed or not, the same text: ünïcödé ")
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=5)
+    batch = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    streamed = "".join(d.text for d in llm.stream(ids, params))
+    assert batch.text == streamed and len(batch.token_ids) == 40
+
+
+def test_output_ending_inside_a_character_is_flushed():
+    detok = IncrementalDetokenizer(TOKENIZER, [10], stop=[])
+    ids = TOKENIZER.encode("ok 世")[:-1]  # the last byte of 世 never arrives
+    deltas = []
+    for token in ids:
+        detok.add_tokens([token])
+        deltas.append(detok.take_delta(final=False))
+    tail = detok.take_delta(final=True)
+    assert "".join(deltas) == "ok " and tail == TOKENIZER.decode(ids)[3:] and tail
