@@ -78,3 +78,7 @@ def _store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping):
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+FlashAttnAttentionBackend.supports_block_size = staticmethod(lambda block_size: block_size % FLASH_ATTN_PAGE_MULTIPLE == 0)
+FlashAttnBackend = FlashAttnAttentionBackend  # the name the backend registry uses

@@ -31,7 +31,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.use_tensor_cores = num_heads // num_kv_heads >= 4
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # fa2: flashinfer's sm90 (fa3) prefill needs CUTLASS tool headers the trimmed wheel leaves out;
+        # fa2 modules are the ones tensor-core decode builds anyway
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.graph_decode_wrappers: dict[int, object] = {}
 
     def _graph_decode_wrapper(self, batch_size: int, max_blocks_per_seq: int):

@@ -1,0 +1,13 @@
+"""tests/gpu runs on the GPU machine only; elsewhere every test here is skipped with a reason."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu runs on the GPU machine)")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(skip)
