@@ -1,0 +1,162 @@
+"""`kvmesh bench offline`: engine throughput on nano-vllm's workload, against the hardware floor
+measured in the same run, and optionally against peers run in the same run.
+
+Default: the Qwen3-0.6B shape with random bf16 weights (`random:qwen3-0.6b`), 256 prompts. On the
+CPU use a tiny preset and short lengths (the CI smoke test does).
+"""
+
+import json
+import sys
+import time
+
+DEFAULT_MODEL = "random:qwen3-0.6b"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
+    p.add_argument("--num-prompts", type=int, default=256, help="prompts (default 256, nano-vllm's)")
+    p.add_argument("--max-input-len", type=int, default=1024, help="prompt length drawn in [min-len, this]")
+    p.add_argument("--max-output-len", type=int, default=1024, help="max_tokens drawn in [min-len, this]")
+    p.add_argument("--min-len", type=int, default=100, help="lower bound of both draws (default 100)")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "triton", "flashinfer", "flash_attn"])
+    p.add_argument("--peer", action="append", default=[], choices=["nano-vllm", "transformers"],
+                   help="also run this engine on the same workload in the same run (repeatable)")
+    p.add_argument("--peer-num-prompts", type=int, default=None,
+                   help="transformers peer: run only the first N prompts (it is slow)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default 16; 256 for flash_attn)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="profile this step of the run (torch.profiler) and print where its time goes")
+    p.add_argument("--profile-trace", default=None, help="write the profiled step's Chrome trace here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def engine_args(args) -> dict:
+    block_size = args.block_size or (256 if args.attention_backend == "flash_attn" else 16)
+    return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+
+
+def run(args) -> int:
+    import torch
+
+    from kvmesh import LLM, SamplingParams
+    from kvmesh.bench.engine_probe import StepProbe
+    from kvmesh.bench.floor import FloorCounter, ModelShape, measure_ceilings
+    from kvmesh.bench.peers import run_peer
+    from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, nano_vllm_workload
+
+    if args.num_prompts < 1 or args.min_len < 1 or args.max_input_len < args.min_len or args.max_output_len < args.min_len:
+        raise ValueError("need --num-prompts >= 1 and 1 <= --min-len <= --max-input-len, --max-output-len")
+    workload = nano_vllm_workload(args.num_prompts, args.max_input_len, args.max_output_len, args.min_len)
+    is_reference = (args.num_prompts, args.max_input_len, args.max_output_len, args.min_len) == (256, 1024, 1024, 100)
+    if is_reference and workload.num_output_tokens != NANO_VLLM_OUTPUT_TOKENS:
+        raise RuntimeError(f"workload drifted: {workload.num_output_tokens} output tokens, "
+                           f"nano-vllm's has {NANO_VLLM_OUTPUT_TOKENS}")
+
+    # Peers first, each in its own process, so each engine finds the GPU's memory free.
+    peers = {name: run_peer(name, workload, args) for name in args.peer}
+
+    llm = LLM(model=args.model, **engine_args(args))
+    engine = llm.engine
+    device = engine.device
+    ceilings = measure_ceilings(device)
+    vocab = engine.model_config.vocab_size
+    if vocab <= 10000:  # tiny presets: fold nano-vllm's token ids into the vocabulary
+        workload.prompts = [[t % vocab for t in p] for p in workload.prompts]
+    # warm-up: compile kernels, touch the allocator (not timed)
+    llm.generate(prompt_token_ids=[[i % vocab for i in range(args.min_len)]] * 2,
+                 sampling_params=SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)
+    probe = StepProbe(engine, args.profile_step, args.profile_trace)
+    params = [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=m)
+              for m in workload.max_tokens]
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=True)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    probe.detach()
+
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    if output_tokens != workload.num_output_tokens:
+        raise RuntimeError(f"engine produced {output_tokens} tokens, the workload asks {workload.num_output_tokens}")
+    cfg = engine.model_config
+    shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                       cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
+                       torch.tensor([], dtype=engine.dtype).element_size())
+    floor = FloorCounter(shape, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
+    for query_lens, seq_lens, num_sampled in probe.steps:
+        floor.add_step(query_lens, seq_lens, num_sampled)
+    result = {
+        "model": args.model, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
+        "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+        "num_prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens,
+        "output_tokens": output_tokens, "seconds": seconds,
+        "output_tok_per_s": output_tokens / seconds,
+        "total_tok_per_s": (output_tokens + workload.num_prompt_tokens) / seconds,
+        "steps": len(probe.steps), "floor_seconds": floor.seconds, "floor_ratio": floor.seconds / seconds,
+        "floor_bytes": floor.bytes, "floor_flops": floor.flops, **ceilings,
+        "host_seconds_outside_execute": probe.step_seconds - probe.execute_seconds,
+        "execute_seconds": probe.execute_seconds, "nano_vllm_workload": is_reference,
+        "peers": {}, "command": " ".join(["kvmesh"] + sys.argv[1:]) if sys.argv else "",
+    }
+    for name, peer in peers.items():
+        peer = dict(peer)
+        if peer.get("output_tok_per_s"):
+            peer["kvmesh_speedup"] = result["output_tok_per_s"] / peer["output_tok_per_s"]
+            if peer.get("num_prompts", args.num_prompts) == args.num_prompts:
+                peer["floor_ratio"] = floor.seconds / peer["seconds"]
+        result["peers"][name] = peer
+    if probe.profile_table:
+        result["profile"] = probe.profile_table
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    print(f"kvmesh bench offline: {r['model']} on {r['device']}, backend {r['attention_backend']}, "
+          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
+    print(f"  {r['num_prompts']} prompts, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens, "
+          f"{r['steps']} steps" + (" (nano-vllm's workload)" if r["nano_vllm_workload"] else ""))
+    print(f"  ceilings: copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+    rows = [("kvmesh", r["seconds"], r["output_tok_per_s"], r["total_tok_per_s"], r["floor_ratio"], None)]
+    for name, p in r["peers"].items():
+        if "error" in p:
+            print(f"  peer {name}: failed: {p['error']}")
+            continue
+        rows.append((name + ("" if p.get("num_prompts", r["num_prompts"]) == r["num_prompts"]
+                             else f" ({p['num_prompts']} prompts)"),
+                     p["seconds"], p["output_tok_per_s"], p.get("total_tok_per_s", float("nan")),
+                     p.get("floor_ratio", float("nan")), p.get("kvmesh_speedup")))
+    print(f"  {'engine':28s} {'seconds':>8s} {'out tok/s':>10s} {'total tok/s':>12s} {'floor':>6s} {'kvmesh x':>8s}")
+    for name, s, out, total, ratio, speedup in rows:
+        sp = f"{speedup:8.2f}" if speedup else f"{'':8s}"
+        print(f"  {name:28s} {s:8.2f} {out:10.0f} {total:12.0f} {ratio:6.3f} {sp}")
+    print(f"  floor {r['floor_seconds']:.2f} s; host time outside execute {r['host_seconds_outside_execute']:.2f} s, "
+          f"execute {r['execute_seconds']:.2f} s")
+    if r.get("profile"):
+        print(r["profile"])
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

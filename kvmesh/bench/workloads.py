@@ -1,0 +1,41 @@
+"""Benchmark workloads.
+
+nano-vllm's benchmark (bench.py), reproduced exactly: Python's `random.seed(0)`; 256 prompts, each
+of randint(100, 1024) tokens drawn as randint(0, 10000); then for each a max_tokens of
+randint(100, 1024); temperature 0.6, ignore_eos. Its output totals 133,966 tokens, which checks that
+the workload is the same one.
+"""
+
+import random
+from dataclasses import dataclass
+
+NANO_VLLM_OUTPUT_TOKENS = 133_966
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float = 0.6
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def nano_vllm_workload(num_prompts: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+                       min_len: int = 100, vocab_limit: int = 10000, seed: int = 0) -> Workload:
+    """The draws happen in nano-vllm's order (all prompts, then all output lengths)."""
+    rng = random.Random(seed)  # the same stream as random.seed(seed) + module functions
+    prompts = [[rng.randint(0, vocab_limit) for _ in range(rng.randint(min_len, max_input_len))]
+               for _ in range(num_prompts)]
+    max_tokens = [rng.randint(min_len, max_output_len) for _ in range(num_prompts)]
+    return Workload(prompts, max_tokens)
+
+
+def is_nano_vllm_workload(workload: Workload, num_prompts: int) -> bool:
+    return num_prompts == 256 and workload.num_output_tokens == NANO_VLLM_OUTPUT_TOKENS

@@ -1,0 +1,52 @@
+"""`kvmesh bench offline` / `latency` on the CPU with a tiny preset (seconds): the CLI runs, the JSON
+has the numbers the GPU run reports, and the workload is nano-vllm's."""
+
+import json
+
+import pytest
+
+from kvmesh.bench.floor import FloorCounter, ModelShape
+from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, nano_vllm_workload
+from kvmesh.cli import main
+
+TINY = ["--model", "random:tiny-qwen3", "--device", "cpu"]
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_workload_is_nano_vllms():
+    workload = nano_vllm_workload()
+    assert len(workload.prompts) == 256
+    assert workload.num_output_tokens == NANO_VLLM_OUTPUT_TOKENS == 133_966
+    assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in workload.prompts)
+
+
+def test_offline_smoke(capsys):
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "3", "--max-input-len", "24",
+                          "--max-output-len", "12", "--min-len", "4", "--json"])
+    expected = nano_vllm_workload(3, 24, 12, 4)
+    assert r["output_tokens"] == expected.num_output_tokens
+    assert r["prompt_tokens"] == expected.num_prompt_tokens
+    assert r["attention_backend"] == "torch" and r["cuda_graphs"] is False
+    assert r["output_tok_per_s"] > 0 and r["total_tok_per_s"] > r["output_tok_per_s"]
+    assert 0 < r["floor_ratio"] < 1 and r["floor_seconds"] > 0
+    assert r["steps"] >= max(expected.max_tokens)  # one step per output token of the longest request
+
+
+def test_latency_smoke(capsys):
+    r = run_json(capsys, ["bench", "latency", *TINY, "--prompt-len", "32", "--decode-prompt-len", "8",
+                          "--output-len", "6", "--repeats", "2", "--json"])
+    assert r["ttft_prompt_len"] == 32 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+
+
+def test_floor_counts_weights_once_and_kv_per_sequence():
+    shape = ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                       head_dim=4, vocab_size=10, tie_word_embeddings=True)
+    floor = FloorCounter(shape, copy_bytes_per_s=1e9, matmul_flops_per_s=1e18)  # bandwidth-bound
+    floor.add_step(query_lens=[1, 1], seq_lens=[5, 9], num_sampled=2)  # two decodes
+    kv_per_token = 2 * 2 * 1 * 4 * 2
+    assert floor.bytes == shape.weight_bytes + (4 + 8 + 2) * kv_per_token
+    assert floor.seconds == pytest.approx(floor.bytes / 1e9)
