@@ -5,10 +5,13 @@ cost_w = prefill * (prompt tokens - cached_w)                  new prefill work 
        + running_decode * running_decode_tokens_w              decode steps it shares (KV read per step)
        + kv_pressure * kv_usage_w ** 2                         evictions / preemption as the pool fills
 
-Units are prefill tokens: a queued prefill token delays the request as much as one of its own, so both
-weigh 1. A running context token makes every shared step read 114,688 more bytes (Qwen3-0.6B shape),
-~27 ns at 4.23 TB/s, against ~3 us per prefill token: ~0.01 per step; a request shares a few steps
-with each, hence 0.02. The defaults were checked on the simulator (docs/ROUTING.md).
+Units are queued prefill tokens: one delays the request by one token's prefill. A new (uncached)
+prefill token weighs 2: it delays the request as much, and it also spends cluster capacity and KV
+space on a copy of a prefix another worker already holds, which load-only routing ignores. A running
+context token makes every step the request shares read 114,688 more bytes (Qwen3-0.6B shape), ~27 ns
+at 4.23 TB/s against ~3 us per prefill token (~0.01), over the several steps of its prefill and first
+decodes: 0.05. The defaults were chosen on the simulator's tenants and multiturn traces
+(docs/ROUTING.md has the comparison).
 """
 
 from dataclasses import dataclass
@@ -20,9 +23,9 @@ from kvmesh.router.workers import LoadColumns
 
 @dataclass(frozen=True)
 class CostWeights:
-    prefill: float = 1.0  # per uncached prompt token
+    prefill: float = 2.0  # per uncached prompt token
     queued_prefill: float = 1.0  # per prompt token already waiting on the worker
-    running_decode: float = 0.02  # per context token of the worker's running requests
+    running_decode: float = 0.05  # per context token of the worker's running requests
     kv_pressure: float = 512.0  # tokens-equivalent of a completely full KV pool
 
     def __post_init__(self):

@@ -149,4 +149,5 @@ def _progress(total: int, policy: str, enabled: bool):
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, desc=f"sim {policy}", unit="req", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=f"sim {policy}", unit="req", file=sys.stderr, leave=False,
+                mininterval=0.5, disable=None)  # disable=None: no bar when stderr is not a terminal

@@ -80,7 +80,7 @@ def _poisson_offsets(rng: np.random.Generator, n: int) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0, size=n))
 
 
-def tenants(num_requests: int, seed: int = 0, block_size: int = 16, num_tenants: int = 256,
+def tenants(num_requests: int, seed: int = 0, block_size: int = 16, num_tenants: int = 128,
             system_tokens: int = 8192, suffix_tokens: tuple[int, int] = (64, 512),
             output_tokens: tuple[int, int] = (16, 128), users_per_tenant: int = 32,
             tenant_skew: float = 0.5) -> Workload:
@@ -108,10 +108,10 @@ def tenants(num_requests: int, seed: int = 0, block_size: int = 16, num_tenants:
         output_tokens=output_tokens, users_per_tenant=users_per_tenant, tenant_skew=tenant_skew))
 
 
-def multiturn(num_requests: int, seed: int = 0, block_size: int = 16, system_tokens: int = 512,
-              first_message_tokens: tuple[int, int] = (200, 2000),
-              message_tokens: tuple[int, int] = (50, 400), output_tokens: tuple[int, int] = (32, 256),
-              turns: tuple[int, int] = (2, 10), think_time_s: float = 2.0) -> Workload:
+def multiturn(num_requests: int, seed: int = 0, block_size: int = 16, system_tokens: int = 1024,
+              first_message_tokens: tuple[int, int] = (500, 4000),
+              message_tokens: tuple[int, int] = (100, 1500), output_tokens: tuple[int, int] = (32, 384),
+              turns: tuple[int, int] = (3, 12), think_time_s: float = 1.0) -> Workload:
     """Conversations whose next turn's prompt is the previous prompt + its answer + a new message.
     All conversations share one short system prompt; the session key is the conversation."""
     rng = np.random.default_rng(seed)

@@ -161,11 +161,22 @@ def test_kv_events_ignores_cache_on_a_full_or_unhealthy_worker():
 
 
 def test_kv_events_trades_cache_hits_against_queued_prefill():
-    p = policy("kv_events", index_with({"w0": 10}))
+    weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0)
+    p = policy("kv_events", index_with({"w0": 10}), weights=weights)
     ws = workers(0, 0)
-    ws[0].load.waiting_prefill_tokens = 100  # less than the 144 tokens it would save
+    ws[0].load.waiting_prefill_tokens = 310  # less than the 2 * 159 it would save
     assert p.rank(REQ, ws)[0] == "w0"
-    ws[0].load.waiting_prefill_tokens = 200  # more
+    ws[0].load.waiting_prefill_tokens = 330  # more
+    assert p.rank(REQ, ws)[0] == "w1"
+
+
+def test_kv_events_counts_running_context_and_kv_pressure():
+    weights = CostWeights(prefill=1.0, queued_prefill=0.0, running_decode=0.1, kv_pressure=400.0)
+    p = policy("kv_events", index_with({"w0": 10}), weights=weights)
+    ws = workers(0, 0)
+    ws[0].load.running_decode_tokens = 1400  # 140 < 159 saved
+    assert p.rank(REQ, ws)[0] == "w0"
+    ws[0].load.kv_total_blocks, ws[0].load.kv_free_blocks = 100, 50  # + 400 * 0.25 = 100 more
     assert p.rank(REQ, ws)[0] == "w1"
 
 

@@ -1,0 +1,87 @@
+"""`kvmesh sim`: judge routing policies on a simulated cluster (kvmesh.router.sim)."""
+
+import argparse
+import ast
+import json
+import sys
+
+POLICY_CHOICES = ("round_robin", "least_loaded", "power_of_two", "session", "prefix_approx",
+                  "kv_events", "all")
+WORKLOAD_CHOICES = ("tenants", "multiturn", "prefix_repetition", "random")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sim", help="simulate a cluster of workers and compare routing policies",
+        description="Discrete-event simulation of N workers (H200 / Qwen3-0.6B calibration) routed by "
+                    "the real kvmesh router. See docs/ROUTING.md.")
+    p.add_argument("--workers", type=int, default=16, help="number of workers (default 16)")
+    p.add_argument("--policy", default="kv_events",
+                   help=f"one of {', '.join(POLICY_CHOICES)}, or a comma-separated list (default kv_events)")
+    p.add_argument("--workload", default="tenants", choices=WORKLOAD_CHOICES, help="default tenants")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--load", type=float, default=None,
+                      help="offered load as a fraction of the estimated capacity (default 0.7)")
+    rate.add_argument("--rate", type=float, default=None, help="offered load in requests/s")
+    p.add_argument("--requests", type=int, default=5000, help="requests in the trace (default 5000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="PATH.png", help="write a TTFT-per-policy figure")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: what fits on an H200 after the weights)")
+    p.add_argument("--max-batch", type=int, default=128, help="running requests per worker (default 128)")
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step (default 8192)")
+    p.add_argument("--cap", type=int, default=256,
+                   help="router cap: max outstanding requests per worker (default 256; 0 = none)")
+    p.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="workload parameter, e.g. num_tenants=64 or suffix_tokens=(64,512); repeatable")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(handler=_run)
+
+
+def _workload_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--workload-opt wants KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--workload-opt {key}: {value!r} is not a Python literal") from None
+    return options
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvmesh.router.sim.cluster import SimConfig
+    from kvmesh.router.sim.report import format_table, plot_ttft
+    from kvmesh.router.sim.run import resolve_policies, run
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.rate is not None and args.rate <= 0:
+        raise ValueError(f"--rate must be > 0, got {args.rate}")
+    load = args.load if args.load is not None or args.rate is not None else 0.7
+    policies = resolve_policies(args.policy)
+    config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
+                       max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed)
+    options = _workload_options(args.workload_opt)
+    try:
+        report = run(args.workload, policies, config, num_requests=args.requests, load=load,
+                     rate=args.rate, progress=not args.no_progress, workload_options=options,
+                     keep_results=bool(args.plot))
+    except TypeError as e:  # an unknown --workload-opt key
+        raise ValueError(f"workload {args.workload}: {e}") from None
+    results = report.pop("results", None)
+    if args.plot:
+        plot_ttft(results, report, args.plot)
+    if args.json:
+        json.dump(report, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(report))
+        if args.plot:
+            print(f"TTFT figure: {args.plot}")
+    return 0

@@ -1,0 +1,72 @@
+"""Run one workload through the simulated cluster under one or several policies (the same trace for
+each) and collect the metrics: what `kvmesh sim` prints."""
+
+import dataclasses
+
+from kvmesh.router.policies import POLICY_NAMES
+from kvmesh.router.sim.capacity import capacity_req_s
+from kvmesh.router.sim.cluster import SimConfig, simulate
+from kvmesh.router.sim.metrics import oracle_hit_rate, summarize
+from kvmesh.router.sim.workloads import Workload, assign_arrivals, make_workload
+
+
+def resolve_policies(policy: str) -> list[str]:
+    if policy == "all":
+        return list(POLICY_NAMES)
+    names = [p.strip() for p in policy.split(",") if p.strip()]
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)} or all")
+    return names
+
+
+def run(workload: str | Workload, policies: list[str], config: SimConfig, num_requests: int = 5000,
+        load: float | None = 0.7, rate: float | None = None, progress: bool = False,
+        workload_options: dict | None = None, keep_results: bool = False) -> dict:
+    """{"policies": {name: metrics}, "config": {...}}; with keep_results, also "results":
+    {name: SimResult} (not JSON)."""
+    if (load is None) == (rate is None):
+        raise ValueError("give exactly one of load or rate")
+    if load is not None and load <= 0:
+        raise ValueError(f"load must be > 0, got {load}")
+    if isinstance(workload, str):
+        workload = make_workload(workload, num_requests, seed=config.seed,
+                                 block_size=config.block_size, **(workload_options or {}))
+    capacity = capacity_req_s(workload, config.cost, config.num_workers, config.max_batch)
+    if rate is None:
+        rate = load * capacity
+    oracle = oracle_hit_rate(workload)
+    out: dict = {"policies": {}, "config": _config_dict(workload, config, capacity, load, rate)}
+    results = {}
+    for name in policies:
+        assign_arrivals(workload, rate)
+        result = simulate(workload, name, config, progress=progress)
+        out["policies"][name] = summarize(result, oracle)
+        if keep_results:
+            results[name] = result
+    if keep_results:
+        out["results"] = results
+    return out
+
+
+def _config_dict(workload: Workload, config: SimConfig, capacity: float, load, rate) -> dict:
+    cost = config.cost
+    return {
+        "workers": config.num_workers,
+        "workload": workload.name,
+        "workload_params": {k: list(v) if isinstance(v, tuple) else v for k, v in workload.params.items()},
+        "requests": len(workload.requests),
+        "seed": config.seed,
+        "load": load,
+        "rate_req_s": rate,
+        "capacity_req_s": capacity,
+        "mean_prompt_tokens": workload.mean_prompt_tokens(),
+        "mean_output_tokens": workload.mean_output_tokens(),
+        "block_size": config.block_size,
+        "kv_blocks_per_worker": config.blocks_per_worker,
+        "max_batch": config.max_batch,
+        "max_batched_tokens": config.max_batched_tokens,
+        "cap": config.cap,
+        "model": dataclasses.asdict(cost.model),
+        "hardware": dataclasses.asdict(cost.hardware),
+    }
