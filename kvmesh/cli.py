@@ -10,6 +10,7 @@ import sys
 REGISTRARS = [
     "kvmesh.commands.generate",  # kvmesh generate
     "kvmesh.commands.bench",  # kvmesh bench offline, kvmesh bench latency, kvmesh bench serve
+    "kvmesh.commands.sim",  # kvmesh sim
 ]
 
 
