@@ -82,6 +82,10 @@ class KVIndex:
         entry = self._workers.get(worker_id)
         return entry is None or entry.awaiting_snapshot
 
+    def workers_awaiting_snapshot(self) -> list[str]:
+        """Workers whose snapshot was asked for (by a False from apply) and has not arrived."""
+        return [wid for wid, e in self._workers.items() if e.awaiting_snapshot and e.snapshot_requested]
+
     def worker_blocks(self, worker_id: str) -> set[int]:
         entry = self._workers.get(worker_id)
         return set(entry.blocks) if entry else set()

@@ -84,8 +84,7 @@ class Router:
 
     def workers_awaiting_snapshot(self) -> list[str]:
         with self._lock:
-            return [w for w in self.index.worker_ids if self.index.awaiting_snapshot(w)
-                    and self.index._workers[w].snapshot_requested]
+            return self.index.workers_awaiting_snapshot()
 
     # ---- routing -----------------------------------------------------------------------------
 

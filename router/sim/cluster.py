@@ -53,6 +53,7 @@ class SimResult:
     violations: int  # routed past the cap while a worker sat idle
     router: Router
     wall_s: float
+    peak_outstanding: int = 0  # most requests a worker held right after a routing decision
 
 
 def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool = False,
@@ -88,7 +89,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
 
     jobs: list[Job] = []
     decision_ns: list[int] = []
-    violations = 0
+    violations = peak = 0
     cap = config.cap
     bar = _progress(len(workload.requests), policy, progress)
 
@@ -114,6 +115,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
             job = Job(request=request, arrival=now)
             jobs.append(job)
             end = w.submit(job, now)
+            peak = max(peak, w.outstanding)
             publish(w, now)
         else:
             i, version = payload
@@ -134,7 +136,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
             order += 1
     bar.close()
     return SimResult(policy, jobs, workers, decision_ns, violations, router,
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, peak)
 
 
 class _NoBar:
