@@ -9,6 +9,7 @@ import sys
 # registrars import only argparse-level things (heavy imports go inside the handlers).
 REGISTRARS = [
     "kvmesh.commands.generate",  # kvmesh generate
+    "kvmesh.commands.serve",  # kvmesh serve, kvmesh client, kvmesh status
     "kvmesh.commands.bench",  # kvmesh bench offline, kvmesh bench latency, kvmesh bench serve
     "kvmesh.commands.sim",  # kvmesh sim
 ]

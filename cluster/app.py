@@ -1,0 +1,87 @@
+"""The kvmesh Serve application: `kvmesh.cluster.app:build_app`, called by Serve (`serve deploy`,
+`serve run`, KubeRay) and by `kvmesh serve` with `args` = the serving config as a dict.
+
+Two deployments: KVWorker (one replica per GPU, routed by the KV-aware request router, optionally
+autoscaled by a kvmesh policy) and Ingress (OpenAI HTTP + gRPC), which holds the workers' handle.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from kvmesh.cluster.autoscaling import serve_autoscaling_config
+from kvmesh.cluster.ingress import Ingress
+from kvmesh.cluster.worker import KVWorker
+from kvmesh.serve_config import ServeConfig, parse_config
+
+WORKER_DEPLOYMENT = "KVWorker"
+INGRESS_DEPLOYMENT = "Ingress"
+GRPC_SERVICER_FUNCTIONS = ["kvmesh.proto.kvmesh_pb2_grpc.add_GenerationServicer_to_server"]
+ROUTER_CLASS = "kvmesh.cluster.request_router:KVAwareRequestRouter"
+
+
+def worker_options(cfg: ServeConfig) -> dict:
+    r = cfg.replicas
+    actor = {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus}
+    if r.resources:
+        actor["resources"] = dict(r.resources)
+    options = {
+        "name": WORKER_DEPLOYMENT,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": r.max_ongoing_requests,
+        "max_queued_requests": r.max_queued_requests,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs={
+                "app_name": cfg.app_name, "policy": cfg.routing.policy,
+                "block_size": cfg.engine.block_size, "cap": r.max_ongoing_requests,
+                "temperature": cfg.routing.temperature,
+                "poll_timeout_s": cfg.routing.event_poll_timeout_s},
+            request_routing_stats_period_s=1.0),
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    if cfg.autoscaling.enabled:
+        options["autoscaling_config"] = serve_autoscaling_config(cfg.autoscaling, r.num_replicas)
+    else:
+        options["num_replicas"] = r.num_replicas
+    return options
+
+
+def ingress_options(cfg: ServeConfig) -> dict:
+    return {
+        "name": INGRESS_DEPLOYMENT,
+        "num_replicas": cfg.routing.ingress_replicas,
+        # Tokenizing and streaming are light: an ingress reserves no CPU, so it never waits
+        # for one behind the workers.
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": 100_000,
+    }
+
+
+def build_app(args: dict | None = None):
+    """The Serve application for a serving config dict (see kvmesh/serve_config.py)."""
+    cfg = parse_config(args)
+    data = cfg.to_dict()
+    worker = serve.deployment(KVWorker).options(**worker_options(cfg)).bind(data)
+    return serve.deployment(Ingress).options(**ingress_options(cfg)).bind(worker, data)
+
+
+def serve_config_document(cfg: ServeConfig) -> dict:
+    """The equivalent Serve config file (for `serve deploy`)."""
+    doc = {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": cfg.server.host, "port": cfg.server.http_port},
+        "applications": [{
+            "name": cfg.app_name,
+            "route_prefix": cfg.route_prefix,
+            "import_path": "kvmesh.cluster.app:build_app",
+            "args": cfg.to_dict(),
+        }],
+    }
+    if cfg.server.grpc_port:  # 0 = no gRPC
+        doc["grpc_options"] = {"port": cfg.server.grpc_port,
+                               "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS}
+    return doc

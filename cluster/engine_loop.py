@@ -1,0 +1,185 @@
+"""Runs a synchronous Engine on a dedicated thread and bridges it to an asyncio loop.
+
+The engine (kvmesh.worker.engine.Engine) is single-threaded: only this thread calls it. Requests,
+aborts and snapshot requests reach it through a thread-safe command queue; token deltas go back to
+each request's asyncio.Queue in one `call_soon_threadsafe` per engine step, so the actor's event
+loop never waits on a model step and a step never waits on the event loop. No Ray here: the Serve
+worker (worker.py) wraps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvmesh.protocol import EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad
+
+logger = logging.getLogger("kvmesh.cluster")
+
+_IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks for a command
+
+
+@dataclass
+class LoopStats:
+    """Counters since start (read by the worker for metrics and autoscaling)."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    finished: int = 0
+    errors: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, ttft_window_s: float = 30.0):
+        self.engine = engine
+        self.loop = loop
+        self.stats = LoopStats()
+        self.ttft_window_s = ttft_window_s
+        self._ttfts: deque[tuple[float, float]] = deque()  # (finish-of-first-token time, ttft)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}  # only touched on the asyncio loop
+        self._kv_batches: deque[KVEventBatch] = deque()  # engine thread appends, publisher pops
+        self.load: WorkerLoad = engine.get_load()
+        self.on_progress = None  # callable run on the asyncio loop after each step (publisher wake-up)
+        self.last_step_end = time.monotonic()
+        self.busy_since: float | None = None  # when the current step started (None: not in a step)
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ------------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest) -> asyncio.Queue:
+        """Queue a request; its TokenDeltas arrive on the returned queue (the last one finished)."""
+        out: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = out
+        self._commands.put(("add", request))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+
+    async def snapshot(self) -> KVSnapshot:
+        fut = self.loop.create_future()
+        self._commands.put(("snapshot", fut))
+        return await fut
+
+    def take_kv_batches(self) -> list[KVEventBatch]:
+        out = []
+        while self._kv_batches:
+            out.append(self._kv_batches.popleft())
+        return out
+
+    def ttft_p90(self, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        while self._ttfts and now - self._ttfts[0][0] > self.ttft_window_s:
+            self._ttfts.popleft()
+        if not self._ttfts:
+            return 0.0
+        values = sorted(t for _, t in self._ttfts)
+        return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds the engine thread has been inside one step (0 when it is not in a step)."""
+        now = time.monotonic() if now is None else now
+        return 0.0 if self.busy_since is None else now - self.busy_since
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, deltas: list[TokenDelta], load: WorkerLoad) -> None:
+        self.load = load
+        now = time.time()
+        for d in deltas:
+            out = self._streams.get(d.request_id)
+            if d.first_token_time is not None and d.num_output_tokens == len(d.token_ids) and d.token_ids:
+                self._ttfts.append((now, max(0.0, d.first_token_time - d.arrival_time)))
+            if d.finished:
+                self._streams.pop(d.request_id, None)
+                self.stats.finished += 1
+                self.stats.generation_tokens += d.num_output_tokens
+                if d.num_output_tokens or d.finish_reason != "error":
+                    self.stats.prompt_tokens += d.num_prompt_tokens
+                    self.stats.cached_tokens += d.num_cached_tokens
+                if d.finish_reason == "error":
+                    self.stats.errors += 1
+            if out is not None:
+                out.put_nowait(d)
+        if self.on_progress is not None:
+            self.on_progress()
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                deltas = []
+                if self.engine.has_unfinished_requests():
+                    self.busy_since = time.monotonic()
+                    deltas = self.engine.step()
+                    self.busy_since = None
+                    self.last_step_end = time.monotonic()
+                batch = self.engine.take_kv_events()
+                if batch is not None:
+                    self._kv_batches.append(batch)
+                if deltas or batch is not None:
+                    self.loop.call_soon_threadsafe(self._deliver, deltas, self.engine.get_load())
+        except BaseException as e:  # the worker's health check reports it; Serve replaces the replica
+            logger.exception("kvmesh engine loop died")
+            self.error = e
+            self.loop.call_soon_threadsafe(self._fail_all, f"engine loop died: {e!r}")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, kind: str, arg) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_request(arg)
+                self.stats.requests += 1
+            except ValueError as e:  # a bad request (prompt too long, ...): that caller only
+                delta = TokenDelta(arg.request_id, [], "", finish_reason="error",
+                                   num_prompt_tokens=len(arg.prompt_token_ids),
+                                   error=f"invalid_request: {e}", arrival_time=arg.arrival_time)
+                self.loop.call_soon_threadsafe(self._deliver, [delta], self.engine.get_load())
+        elif kind == "abort":
+            self.engine.abort_request(arg)
+        elif kind == "snapshot":
+            snap = self.engine.kv_snapshot()
+            self.loop.call_soon_threadsafe(_set_result, arg, snap)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, out in list(self._streams.items()):
+            out.put_nowait(TokenDelta(request_id, [], "", finish_reason="error", error=message))
+        self._streams.clear()
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)

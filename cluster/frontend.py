@@ -1,0 +1,107 @@
+"""What the ingress does with a request before and after the workers: tokenize (with the chat
+template), check limits, hash the prompt's full blocks for the router, and account the result.
+Shared by the OpenAI HTTP routes and the gRPC service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvmesh.cluster.messages import ModelInfo, RoutedRequest
+from kvmesh.cluster.metrics import IngressMetrics
+from kvmesh.cluster.openai_protocol import ApiError, new_id
+from kvmesh.hashing import block_hashes
+from kvmesh.protocol import TokenDelta
+from kvmesh.sampling_params import SamplingParams
+from kvmesh.serve_config import ServeConfig
+
+
+class Frontend:
+    def __init__(self, config: ServeConfig, worker_handle):
+        from kvmesh.worker.loader import load_tokenizer
+
+        self.config = config
+        self.workers = worker_handle
+        self.tokenizer, self.model_name = load_tokenizer(config.model)
+        self.model_aliases = {self.model_name, config.model}
+        self.metrics = IngressMetrics()
+        self._info: ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
+        self._decode_cache: dict[int, str] = {}
+
+    # ---- model ---------------------------------------------------------------------------------
+
+    async def model_info(self) -> ModelInfo:
+        """Asked of a worker once (max_model_len depends on the loaded model and the engine)."""
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    self._info = await self.workers.model_info.remote()
+        return self._info
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.model_aliases:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
+                           param="messages")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode_token(self, token_id: int) -> str:
+        text = self._decode_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._decode_cache) < 200_000:
+                self._decode_cache[token_id] = text
+        return text
+
+    async def check_prompt(self, prompt_ids: list[int], param: str) -> ModelInfo:
+        info = await self.model_info()
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        if len(prompt_ids) >= info.max_model_len:
+            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the limit is "
+                           f"{info.max_model_len - 1} (max_model_len {info.max_model_len} minus "
+                           "1 generated token)", param=param, code="context_length_exceeded")
+        return info
+
+    def routed_request(self, prompt_ids: list[int], params: SamplingParams, info: ModelInfo,
+                       session_key: str | None, request_id: str | None = None,
+                       arrival: float | None = None) -> RoutedRequest:
+        return RoutedRequest(
+            request_id=request_id or new_id("req"), prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            block_hashes=block_hashes(prompt_ids, info.block_size, info.hash_salt),
+            session_key=session_key, arrival_time=arrival or time.time())
+
+    # ---- results -------------------------------------------------------------------------------
+
+    @staticmethod
+    def worker_error(delta: TokenDelta, param: str) -> ApiError:
+        """The error to answer for a request that failed before its first token."""
+        message = delta.error or "the request failed"
+        if message.startswith("invalid_request: "):
+            return ApiError(400, message[len("invalid_request: "):], param=param)
+        return ApiError(503, message, type="server_error", code="worker_failed", retry_after_s=1)
+
+    def account(self, routed: RoutedRequest, first_token: float | None, last: TokenDelta | None,
+                num_output_tokens: int, status: int) -> None:
+        self.metrics.observe_status(self.model_name, status)
+        if last is None or status != 200:
+            return
+        self.metrics.observe_request(
+            self.model_name, routed.arrival_time, first_token, time.time(),
+            last.num_prompt_tokens or routed.num_prompt_tokens, num_output_tokens,
+            last.num_cached_tokens)
+        if routed.attempt:
+            self.metrics.retries.labels(model=self.model_name).inc(routed.attempt)

@@ -1,0 +1,117 @@
+"""Running one request on the workers, with failover.
+
+A worker replica that dies mid-request makes its handle stream raise (ActorDiedError and kin; Serve
+does not retry). What happens next depends on what the client has seen:
+- no token yet: the request is sent again (the router picks a live replica; the dead one left its
+  replica set), up to MAX_ATTEMPTS times;
+- tokens already streamed to the client: the stream ends with finish_reason "error";
+- a non-streaming request has shown the client nothing, so it is always retried from the start
+  (`restartable`; RESTART tells the collector to drop what it gathered).
+Closing the generator early (client gone) cancels the worker call, which aborts the request there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.serve.exceptions import BackPressureError
+
+from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.cluster.openai_protocol import ApiError
+from kvmesh.protocol import TokenDelta
+
+logger = logging.getLogger("kvmesh.cluster")
+
+MAX_ATTEMPTS = 3
+RESTART = object()  # yielded before a non-streaming request is run again on another replica
+_WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+OVERLOAD_RETRY_AFTER_S = 1
+
+
+def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:
+    return TokenDelta(routed.request_id, [], "", finish_reason="error", error=message,
+                      num_prompt_tokens=routed.num_prompt_tokens, arrival_time=routed.arrival_time)
+
+
+async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
+    """Yield the request's TokenDeltas (the last one finished); see the module doc for failures."""
+    last_error = None
+    for attempt in range(MAX_ATTEMPTS):
+        routed.attempt = attempt
+        produced = False
+        finished = False
+        response = handle.options(stream=True).generate.remote(routed)
+        try:
+            async for delta in response:
+                produced = produced or bool(delta.token_ids)
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+            yield _error_delta(routed, "the worker ended the stream without a finish")
+            finished = True
+            return
+        except BackPressureError:
+            raise ApiError(503, "the server is overloaded: every worker replica is at its limit "
+                           "of queued requests; retry later", type="server_error",
+                           code="overloaded", retry_after_s=OVERLOAD_RETRY_AFTER_S) from None
+        except _WORKER_GONE as e:
+            last_error = e
+            logger.warning("kvmesh: worker died during request %s (attempt %d, tokens=%s): %r",
+                           routed.request_id, attempt + 1, produced, e)
+            if produced and not restartable:
+                finished = True
+                yield _error_delta(routed, f"the worker serving this request died: {type(e).__name__}")
+                return
+            if produced:
+                yield RESTART
+        finally:
+            if not finished:
+                response.cancel()
+    yield _error_delta(routed, f"no worker could serve the request after {MAX_ATTEMPTS} attempts: "
+                               f"{type(last_error).__name__}")
+
+
+class Collected:
+    """A whole (non-streaming) completion gathered from its deltas."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict] = []
+        self.last: TokenDelta | None = None
+        self.first_token_time: float | None = None  # the worker's clock
+        self.first_token_seen: float | None = None  # when it reached the ingress
+
+    def add(self, delta: TokenDelta) -> None:
+        self.text_parts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs:
+            self.top_logprobs.extend(delta.top_logprobs)
+        if delta.first_token_time is not None and self.first_token_time is None:
+            self.first_token_time = delta.first_token_time
+        if delta.token_ids and self.first_token_seen is None:
+            self.first_token_seen = time.time()
+        self.last = delta
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+async def collect(handle, routed: RoutedRequest) -> Collected:
+    out = Collected()
+    async for item in run_request(handle, routed, restartable=True):
+        if item is RESTART:
+            out.reset()
+        else:
+            out.add(item)
+    return out

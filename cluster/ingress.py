@@ -1,0 +1,181 @@
+"""The ingress deployment: OpenAI-compatible HTTP (FastAPI on Serve's HTTP proxy) and the
+kvmesh.v1.Generation gRPC service (Serve's gRPC proxy calls the methods named like the RPCs).
+
+Each ingress replica holds a handle to the workers, so Serve gives it a copy of the KV-aware request
+router (request_router.py). Errors are OpenAI's error JSON with the right status; a client that
+disconnects cancels its stream, which aborts the request on the worker.
+"""
+
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from kvmesh.cluster.event_hub import get_or_create_hub
+from kvmesh.cluster.frontend import Frontend
+from kvmesh.cluster.generation import collect, run_request
+from kvmesh.cluster.grpc_service import GrpcService
+from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                            chat_prompt_text, error_body, new_id, now,
+                                            parse_request, sampling_params)
+from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
+from kvmesh.serve_config import parse_config
+
+app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster")
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(int(e.retry_after_s))} if e.retry_after_s else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@serve.ingress(app)
+class Ingress(GrpcService):
+    def __init__(self, workers, config: dict):
+        self.config = parse_config(config)
+        self.frontend = Frontend(self.config, workers)
+        self.hub = get_or_create_hub(self.config.app_name)
+
+    # ---- HTTP: info ----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self):
+        loads, _ = await self.hub.loads.remote()
+        healthy = [w for w, load in loads.items() if load.healthy]
+        body = {"status": "ok" if healthy else "no_workers", "workers": len(healthy)}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        info = await self.frontend.model_info()
+        return {"object": "list", "data": [{
+            "id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
+            "max_model_len": info.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        loads, stats = await self.hub.loads.remote()
+        return Response(self.frontend.metrics.render(loads, stats),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- HTTP: generation ----------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._complete(request, "completion")
+
+    async def _complete(self, request: Request, kind: str):
+        arrival = time.time()
+        if (denied := self._auth(request)) is not None:
+            return denied
+        routed = None
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            req = parse_request(body, cls)
+            self.frontend.check_model(req.model)
+            prompt_ids, param = self._prompt_ids(req, kind)
+            info = await self.frontend.check_prompt(prompt_ids, param)
+            params = sampling_params(req, info.max_model_len - len(prompt_ids))
+            session = request.headers.get(self.config.routing.session_header) or req.user
+            routed = self.frontend.routed_request(prompt_ids, params, info, session, arrival=arrival)
+            shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
+                            self.frontend.model_name, now(), self.frontend.decode_token,
+                            params.logprobs)
+            if req.stream:
+                include_usage = bool((req.stream_options or {}).get("include_usage"))
+                return await self._stream(routed, shaper, include_usage, param)
+            return await self._whole(routed, shaper, param)
+        except ApiError as e:
+            self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
+            return _error_response(e)
+
+    def _prompt_ids(self, req, kind: str) -> tuple[list[int], str]:
+        if kind == "chat":
+            return self.frontend.encode_chat(chat_prompt_text(req.messages)), "messages"
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: one prompt per request (batches are not supported)",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.frontend.encode_text(prompt), "prompt"
+        return list(prompt), "prompt"
+
+    async def _whole(self, routed, shaper: Shaper, param: str):
+        result = await collect(self.frontend.workers, routed)
+        last = result.last
+        if last is None or (last.finish_reason == "error" and not result.token_ids):
+            raise self.frontend.worker_error(last, param) if last else ApiError(503, "no result")
+        if last.finish_reason == "error":
+            raise ApiError(503, last.error or "the request failed", type="server_error",
+                           code="worker_failed", retry_after_s=1)
+        self.frontend.account(routed, result.first_token_seen, last,
+                              len(result.token_ids), 200)
+        return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
+                           last.finish_reason, last.num_prompt_tokens or routed.num_prompt_tokens,
+                           last.num_cached_tokens)
+
+    async def _stream(self, routed, shaper: Shaper, include_usage: bool, param: str):
+        deltas = run_request(self.frontend.workers, routed)
+        # The first delta comes before the response starts, so a request the worker refuses
+        # still gets its 4xx status instead of an error inside a 200 stream.
+        first = await deltas.__anext__()
+        if first.finished and first.finish_reason == "error" and not first.token_ids:
+            await deltas.aclose()
+            raise self.frontend.worker_error(first, param)
+        first_time = time.time()
+
+        async def body():
+            last, num_tokens, offset = first, 0, 0
+            first_token_time = first_time if first.token_ids else None
+            try:
+                role = shaper.role_chunk(include_usage)
+                if role is not None:
+                    yield sse(role)
+                delta = first
+                while True:
+                    num_tokens += len(delta.token_ids)
+                    if delta.token_ids and first_token_time is None:
+                        first_token_time = time.time()
+                    yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
+                                                 delta.top_logprobs, delta.finish_reason, offset,
+                                                 include_usage))
+                    offset += len(delta.text)
+                    last = delta
+                    if delta.finished:
+                        break
+                    delta = await deltas.__anext__()
+                if include_usage:
+                    yield sse(shaper.usage_chunk(last.num_prompt_tokens or routed.num_prompt_tokens,
+                                                 num_tokens, last.num_cached_tokens))
+                yield SSE_DONE
+                self.frontend.account(routed, first_token_time, last, num_tokens, 200)
+            finally:
+                await deltas.aclose()  # client gone: cancels the worker call (aborts there)
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def _auth(self, request: Request) -> JSONResponse | None:
+        keys = self.config.server.api_keys
+        if not keys:
+            return None
+        header = request.headers.get("authorization", "")
+        if header.startswith("Bearer ") and header[len("Bearer "):] in keys:
+            return None
+        return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)",
+                                       "authentication_error", None, "invalid_api_key"),
+                            status_code=401)

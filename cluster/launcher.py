@@ -1,0 +1,104 @@
+"""`kvmesh serve`: start (or join) Ray, start Serve's HTTP and gRPC proxies, deploy the app, print
+the endpoints, and wait until interrupted.
+
+On a local Ray bound to 127.0.0.1 every Ray listener is kept on loopback
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 must be set before Ray starts), and the object store is capped
+so a laptop or CI box is not asked for a third of its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from kvmesh.serve_config import ServeConfig
+
+DEFAULT_OBJECT_STORE_BYTES = 512 * 1024 * 1024
+
+
+def start_ray(cfg: ServeConfig, address: str | None) -> str:
+    """Join `address` or start a local Ray; returns the address others can join."""
+    loopback = cfg.server.host in ("127.0.0.1", "localhost")
+    if loopback and address is None:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if address is not None:
+        ray.init(address=address, namespace="serve", logging_level="WARNING")
+    else:
+        kwargs = dict(include_dashboard=False, namespace="serve", logging_level="WARNING",
+                      object_store_memory=int(os.environ.get("KVMESH_OBJECT_STORE_BYTES",
+                                                             DEFAULT_OBJECT_STORE_BYTES)))
+        if loopback:
+            kwargs["_node_ip_address"] = "127.0.0.1"
+        if cfg.replicas.num_gpus == 0:
+            # CPU workers reserve num_cpus each; logical CPUs are not cores, so let the replicas
+            # (and the ingress and proxies beside them) fit even on a 2-core machine.
+            kwargs["num_cpus"] = max(os.cpu_count() or 1,
+                                     int(cfg.replicas.num_cpus * (cfg.autoscaling.max_replicas
+                                                                   if cfg.autoscaling.enabled
+                                                                   else cfg.replicas.num_replicas)) + 2)
+        ray.init(**kwargs)
+    return ray.get_runtime_context().gcs_address
+
+
+def deploy(cfg: ServeConfig) -> dict[str, str]:
+    """Start Serve's proxies and deploy the app; returns the endpoints."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from kvmesh.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+
+    grpc = None
+    if cfg.server.grpc_port:
+        grpc = gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
+    serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port),
+                grpc_options=grpc)
+    serve.run(build_app(cfg.to_dict()), name=cfg.app_name, route_prefix=cfg.route_prefix,
+              blocking=False)
+    host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
+    prefix = cfg.route_prefix.rstrip("/")
+    endpoints = {"http": f"http://{host}:{cfg.server.http_port}{prefix}/v1"}
+    if cfg.server.grpc_port:
+        endpoints["grpc"] = f"{host}:{cfg.server.grpc_port}"
+    return endpoints
+
+
+def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
+    import ray
+    from ray import serve
+
+    from kvmesh.cluster.event_hub import kill_hub
+
+    try:
+        serve.delete(cfg.app_name)
+        kill_hub(cfg.app_name)
+        if own_ray:
+            serve.shutdown()
+    finally:
+        if own_ray:
+            ray.shutdown()
+
+
+def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
+    ray_address = start_ray(cfg, address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        started = time.monotonic()
+        endpoints = deploy(cfg)
+        print(f"kvmesh serving {cfg.model} on {cfg.replicas.num_replicas} worker replica(s), "
+              f"routing {cfg.routing.policy} (ready in {time.monotonic() - started:.1f} s)", file=out)
+        print(f"  OpenAI HTTP: {endpoints['http']}", file=out)
+        if "grpc" in endpoints:
+            print(f"  gRPC:        {endpoints['grpc']} (kvmesh.v1.Generation)", file=out)
+        print(f"  ray:         {ray_address}", file=out)
+        print("Ctrl-C stops it.", file=out, flush=True)
+        stop.wait()
+    finally:
+        shutdown(cfg, own_ray=address is None)
+    return 0

@@ -1,0 +1,173 @@
+"""OpenAI-compatible request parsing and response shapes (chat completions and completions).
+
+Requests are validated here, before anything reaches a worker: a bad field raises ApiError(400)
+naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI defines but kvmesh
+does not implement (n > 1, tools, ...) are rejected by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvmesh.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type, self.code, self.retry_after_s = type, code, retry_after_s
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    # Unknown keys are ignored (clients send many optional ones); the unsupported ones that change
+    # the meaning of a request are listed in UNSUPPORTED and rejected.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+UNSUPPORTED = {
+    "tools": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "best_of": "best_of is not supported",
+    "suffix": "suffix is not supported",
+}
+
+
+def parse_request(body: Any, cls: type[_Request]) -> _Request:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) not in (None, [], {}):
+            raise ApiError(400, why, param=name)
+    if req.n != 1:
+        raise ApiError(400, "n must be 1 (one completion per request)", param="n")
+    if isinstance(req, CompletionRequest) and req.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    return req
+
+
+def chat_prompt_text(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; content parts of type text are joined."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, "only text content parts are supported",
+                                   param=f"messages.{i}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
+    """The request's SamplingParams; a bad value raises ApiError naming the OpenAI field."""
+    max_tokens = req.max_tokens
+    param_for_max = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens, param_for_max = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = max(1, remaining_context)
+    elif max_tokens > remaining_context:
+        raise ApiError(400, f"{param_for_max} is {max_tokens} but only {remaining_context} tokens "
+                       "of context are left after the prompt", param=param_for_max)
+    logprobs = None
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+    else:
+        logprobs = req.logprobs
+    kwargs = dict(max_tokens=max_tokens, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
+                  ignore_eos=req.ignore_eos)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        name = message.split(" ", 1)[0]
+        if name == "max_tokens":
+            name = param_for_max
+        elif name == "logprobs" and isinstance(req, ChatCompletionRequest):
+            name = "top_logprobs"
+        raise ApiError(400, message, param=name) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def now() -> int:
+    return int(time.time())

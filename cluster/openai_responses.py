@@ -1,0 +1,108 @@
+"""OpenAI response bodies and SSE chunks for chat completions and completions."""
+
+from __future__ import annotations
+
+import json
+
+from kvmesh.cluster.openai_protocol import usage
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # "abort" reaches a client only when its request was aborted through the API (gRPC Abort).
+    return reason
+
+
+class Shaper:
+    """Builds the bodies of one request (chat or completion); `decode` turns a token id into text."""
+
+    def __init__(self, kind: str, request_id: str, model: str, created: int, decode,
+                 top_logprobs: int | None):
+        self.kind, self.id, self.model, self.created = kind, request_id, model, created
+        self.decode = decode
+        self.top_logprobs = top_logprobs  # None: no logprobs requested
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+
+    # ---- logprobs ----------------------------------------------------------------------------
+
+    def _chat_logprobs(self, token_ids, logprobs, tops) -> dict | None:
+        if self.top_logprobs is None or not logprobs:
+            return None
+        content = []
+        for i, (tok, lp) in enumerate(zip(token_ids, logprobs)):
+            text = self.decode(tok)
+            top = tops[i] if tops and i < len(tops) and tops[i] else {}
+            content.append({
+                "token": text, "logprob": lp, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.decode(t), "logprob": v,
+                                  "bytes": list(self.decode(t).encode())}
+                                 for t, v in list(top.items())[: self.top_logprobs]]})
+        return {"content": content}
+
+    def _completion_logprobs(self, token_ids, logprobs, tops, offset: int) -> dict | None:
+        if self.top_logprobs is None or not logprobs:
+            return None
+        tokens = [self.decode(t) for t in token_ids]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        top_list = []
+        for i in range(len(tokens)):
+            top = tops[i] if tops and i < len(tops) and tops[i] else {}
+            top_list.append({self.decode(t): v for t, v in list(top.items())[: self.top_logprobs]})
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_list,
+                "text_offset": offsets}
+
+    # ---- whole responses ---------------------------------------------------------------------
+
+    def full(self, text: str, token_ids, logprobs, tops, reason: str | None,
+             prompt_tokens: int, cached_tokens: int) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._chat_logprobs(token_ids, logprobs, tops),
+                      "finish_reason": finish_reason(reason)}
+        else:
+            choice = {"index": 0, "text": text,
+                      "logprobs": self._completion_logprobs(token_ids, logprobs, tops, 0),
+                      "finish_reason": finish_reason(reason)}
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
+
+    # ---- stream chunks -----------------------------------------------------------------------
+
+    def _chunk(self, choices: list, usage_body: dict | None = None, include_usage_key=False) -> dict:
+        body = {"id": self.id, "object": self.object + ".chunk" if self.kind == "chat" else self.object,
+                "created": self.created, "model": self.model, "choices": choices}
+        if include_usage_key:
+            body["usage"] = usage_body
+        return body
+
+    def role_chunk(self, include_usage: bool) -> dict | None:
+        if self.kind != "chat":
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}], None, include_usage)
+
+    def delta_chunk(self, text: str, token_ids, logprobs, tops, reason: str | None,
+                    text_offset: int, include_usage: bool) -> dict:
+        if self.kind == "chat":
+            delta = {"content": text} if text or reason is None else {}
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": self._chat_logprobs(token_ids, logprobs, tops),
+                      "finish_reason": finish_reason(reason)}
+        else:
+            choice = {"index": 0, "text": text,
+                      "logprobs": self._completion_logprobs(token_ids, logprobs, tops, text_offset),
+                      "finish_reason": finish_reason(reason)}
+        return self._chunk([choice], None, include_usage)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens), True)

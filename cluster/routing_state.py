@@ -1,0 +1,114 @@
+"""One router copy's view of the cluster: a kvmesh.router.Router (KV index + policy + loads) fed
+from the KV event hub's stream, behind a lock (Serve calls the request router from its own thread
+and event loop, and the hub consumer runs beside it).
+
+Keeps, per worker, the (epoch, seq) it has applied, so that after fetching a worker's snapshot the
+older batches still in the stream are skipped instead of being mistaken for a gap.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvmesh.cluster.event_log import PollResult, WorkerGone
+from kvmesh.protocol import KVEventBatch, KVSnapshot
+
+
+class RoutingState:
+    def __init__(self, policy: str, block_size: int, cap: int | None = None,
+                 temperature: float = 0.0):
+        from kvmesh.router import Router
+
+        options = {"temperature": temperature} if policy == "kv_events" else {}
+        # cap = the replicas' max_ongoing_requests: beyond it a worker is ranked after the others.
+        self.router = Router(policy=policy, block_size=block_size, default_cap=cap, **options)
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._applied: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
+        self._live: set[str] = set()  # workers Serve says are running
+        self.instance: str | None = None
+        self.cursor = 0
+        self.loads: dict = {}
+        self.stats: dict = {}
+
+    # ---- the hub's stream --------------------------------------------------------------------
+
+    def apply(self, result: PollResult) -> list[str]:
+        """Apply one poll's entries; returns workers whose snapshot must be fetched (a gap)."""
+        need_snapshot = []
+        with self._lock:
+            if result.resync:
+                for wid in list(self._applied):
+                    self.router.remove_worker(wid)
+                self._applied.clear()
+            for entry in result.entries:
+                if isinstance(entry, KVSnapshot):
+                    self._apply_snapshot(entry)
+                elif isinstance(entry, KVEventBatch):
+                    if not self._apply_batch(entry):
+                        need_snapshot.append(entry.worker_id)
+                elif isinstance(entry, WorkerGone):
+                    self._applied.pop(entry.worker_id, None)
+                    self.router.remove_worker(entry.worker_id)
+            for load in result.loads.values():
+                if load.worker_id in self._applied:
+                    self.router.update_load(load)
+            self.loads = dict(result.loads)
+            self.stats = dict(result.stats)
+            self.instance, self.cursor = result.instance, result.cursor
+        return need_snapshot
+
+    def apply_snapshot(self, snap: KVSnapshot) -> None:
+        with self._lock:
+            self._apply_snapshot(snap)
+
+    def _apply_snapshot(self, snap: KVSnapshot) -> None:
+        self.router.add_worker(snap.worker_id)
+        self.router.on_snapshot(snap)
+        self._applied[snap.worker_id] = (snap.epoch, snap.seq)
+
+    def _apply_batch(self, batch: KVEventBatch) -> bool:
+        applied = self._applied.get(batch.worker_id)
+        if applied is not None and applied[0] == batch.epoch and batch.seq <= applied[1]:
+            return True  # already inside a snapshot we applied
+        if applied is None:
+            self.router.add_worker(batch.worker_id)
+        ok = self.router.on_events(batch)
+        if ok:
+            self._applied[batch.worker_id] = (batch.epoch, batch.seq)
+        return bool(ok)
+
+    # ---- Serve's replica set -----------------------------------------------------------------
+
+    def set_live_workers(self, worker_ids) -> list[str]:
+        """Serve's current replicas; returns the ones that left (to drop from the index)."""
+        worker_ids = set(worker_ids)
+        with self._lock:
+            gone = sorted(self._live - worker_ids)
+            self._live = worker_ids
+            for wid in gone:
+                self._applied.pop(wid, None)
+                self.router.remove_worker(wid)
+        return gone
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self._lock:
+            self._live.discard(worker_id)
+            self._applied.pop(worker_id, None)
+            self.router.remove_worker(worker_id)
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def rank(self, block_hashes: list[int], num_prompt_tokens: int, session_key: str | None,
+             candidates: list[str]) -> list[str]:
+        """Candidates in the policy's order of preference (every candidate appears once)."""
+        with self._lock:
+            for wid in candidates:
+                if wid not in self._applied:
+                    self.router.add_worker(wid)  # running but not heard from yet: no cache
+            ranked = self.router.route(block_hashes, num_prompt_tokens, session_key=session_key)
+        candidate_set = set(candidates)
+        order = [w for w in ranked if w in candidate_set]
+        seen = set(order)
+        return order + [w for w in candidates if w not in seen]
+

@@ -1,0 +1,165 @@
+"""The worker deployment: one Serve replica = one Ray actor that owns one GPU (or CPUs in tests)
+and runs one Engine on a dedicated thread (engine_loop.py).
+
+`generate(RoutedRequest)` is an async generator of TokenDeltas; when its caller goes away (client
+disconnect, cancel) the generator is closed and the request is aborted on the engine, freeing its
+KV blocks. A publisher task sends the engine's numbered KV event batches and the worker's load to
+the KV event hub, which every router copy reads. Load and custom metrics also go to Serve's routing
+stats and autoscaling metrics. The health check fails when the engine thread died or one step has
+run longer than `stall_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from ray import serve
+
+from kvmesh.cluster import autoscaling
+from kvmesh.cluster.event_hub import get_or_create_hub
+from kvmesh.cluster.messages import ModelInfo, RoutedRequest
+from kvmesh.protocol import EngineRequest
+from kvmesh.serve_config import ServeConfig, parse_config
+
+logger = logging.getLogger("kvmesh.cluster")
+
+STALL_TIMEOUT_S = float(os.environ.get("KVMESH_STALL_TIMEOUT_S", "60"))
+
+
+def worker_id_of_this_replica() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class KVWorker:
+    def __init__(self, config: dict):
+        from kvmesh.cluster.engine_loop import EngineLoop
+        from kvmesh.worker.engine import Engine
+
+        self.config: ServeConfig = parse_config(config)
+        self.worker_id = worker_id_of_this_replica()
+        device = self.config.engine.device
+        if device == "cpu" or (device == "auto" and not _has_gpu()):
+            import torch
+            torch.set_num_threads(max(1, int(self.config.replicas.num_cpus or 1)))
+        self.engine = Engine(self.config.engine_config(worker_id=self.worker_id))
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(),
+                               ttft_window_s=self.config.autoscaling.window_s)
+        self._wake = asyncio.Event()
+        self.loop.on_progress = self._wake.set
+        self.hub = get_or_create_hub(self.config.app_name)
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
+        logger.info("kvmesh worker %s ready: %s", self.worker_id, self.engine.model_name)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def generate(self, routed: RoutedRequest):
+        request = EngineRequest(routed.request_id, list(routed.prompt_token_ids),
+                                routed.sampling_params, routed.arrival_time or time.time())
+        stream = self.loop.submit(request)
+        finished = False
+        try:
+            while True:
+                delta = await stream.get()
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:  # the caller went away: free the request's KV blocks now
+                self.loop.abort(routed.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        known = request_id in self.loop._streams
+        self.loop.abort(request_id)
+        return known
+
+    async def model_info(self) -> ModelInfo:
+        tok = self.engine.tokenizer
+        return ModelInfo(self.engine.model_name, int(self.engine.max_model_len),
+                         int(self.engine.block_size), bytes(self.engine.hash_salt),
+                         getattr(tok, "eos_token_id", None))
+
+    async def load(self) -> dict:
+        return {"worker_id": self.worker_id, "load": self.loop.load, "stats": vars(self.loop.stats)}
+
+    # ---- Serve hooks -------------------------------------------------------------------------
+
+    async def check_health(self):
+        if not self.loop.is_alive():
+            raise RuntimeError(f"engine loop of {self.worker_id} is not running: {self.loop.error!r}")
+        stalled = self.loop.stalled_for()
+        if stalled > STALL_TIMEOUT_S:
+            raise RuntimeError(f"engine step of {self.worker_id} has run {stalled:.0f} s "
+                               f"(limit {STALL_TIMEOUT_S:.0f} s): no progress")
+
+    def record_routing_stats(self) -> dict:
+        load = self.loop.load
+        return {"running": load.running, "waiting": load.waiting,
+                "kv_free_blocks": load.kv_free_blocks, "kv_total_blocks": load.kv_total_blocks,
+                "waiting_prefill_tokens": load.waiting_prefill_tokens}
+
+    def record_autoscaling_stats(self) -> dict:
+        load = self.loop.load
+        free_ratio = load.kv_free_blocks / load.kv_total_blocks if load.kv_total_blocks else 1.0
+        return {autoscaling.KV_FREE_RATIO: free_ratio,
+                autoscaling.TTFT_P90: self.loop.ttft_p90(),
+                autoscaling.ONGOING: float(self.loop.num_streams)}
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+
+    # ---- KV events and load to the hub -------------------------------------------------------
+
+    def _stats(self) -> dict:
+        s = vars(self.loop.stats).copy()
+        s["ttft_p90_s"] = self.loop.ttft_p90()
+        return s
+
+    async def _announce(self):
+        """Register with the hub by a snapshot of the (empty) cache, so loads and metrics of this
+        worker are known before its first KV event."""
+        try:
+            snap = await self.loop.snapshot()
+            await self.hub.publish_snapshot.remote(snap, self.loop.load, self._stats())
+        except Exception as e:
+            logger.warning("kvmesh worker %s: announcing to the KV event hub failed: %r", self.worker_id, e)
+
+    async def _publish_forever(self):
+        interval = self.config.routing.load_report_interval_s
+        block_size = self.config.engine.block_size
+        last_load_sent = 0.0
+        await self._announce()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass  # idle: still report the load now and then (it is the worker's heartbeat)
+            self._wake.clear()
+            batches = self.loop.take_kv_batches()
+            now = time.monotonic()
+            if not batches and now - last_load_sent < interval:
+                await asyncio.sleep(interval - (now - last_load_sent))
+                batches = self.loop.take_kv_batches()
+            try:
+                ok = await self.hub.publish.remote(batches, self.loop.load, self._stats(), block_size)
+                if not ok:
+                    snap = await self.loop.snapshot()
+                    await self.hub.publish_snapshot.remote(snap, self.loop.load, self._stats())
+                last_load_sent = time.monotonic()
+            except Exception as e:  # the hub restarts on failure; the next publish resyncs
+                logger.warning("kvmesh worker %s: publishing KV events failed: %r", self.worker_id, e)
+                await asyncio.sleep(0.5)
+                self.hub = get_or_create_hub(self.config.app_name)
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False

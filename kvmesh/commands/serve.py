@@ -1,0 +1,152 @@
+"""`kvmesh serve`, `kvmesh client`, `kvmesh status`: run a cluster and talk to it.
+
+Only argparse here; Ray, Serve and gRPC are imported inside the handlers.
+"""
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model on Ray Serve (OpenAI HTTP + gRPC)",
+        description="Start a local Ray (or join --address) and deploy the kvmesh cluster: worker "
+                    "replicas routed by KV events, an OpenAI-compatible HTTP API and a gRPC API. "
+                    "Without a config it serves the default model on one replica.")
+    p.add_argument("config", nargs="?", help="serving config YAML (see deploy/serve.yaml)")
+    p.add_argument("--replicas", type=int, help="worker replicas (replicas.num_replicas)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="engine device; cpu also sets replicas.num_gpus to 0")
+    p.add_argument("--model", help="model name, Hugging Face directory or random:<preset>")
+    p.add_argument("--policy", help="routing policy (routing.policy)")
+    p.add_argument("--host", help="HTTP bind address (server.host)")
+    p.add_argument("--http-port", type=int, help="OpenAI HTTP port (server.http_port)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (server.grpc_port; 0 = off)")
+    p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
+    p.add_argument("--emit-serve-config", nargs="?", const="-", metavar="PATH",
+                   help="write the equivalent Serve config (for `serve deploy`) to PATH or stdout "
+                        "and exit")
+    p.set_defaults(handler=run_serve)
+
+    c = subparsers.add_parser("client", help="stream a completion from a running kvmesh cluster")
+    c.add_argument("prompt", help="the user message (chat) or prompt text (--raw)")
+    c.add_argument("--grpc", action="store_true", help="use the gRPC API instead of HTTP")
+    c.add_argument("--url", default="http://127.0.0.1:8000/v1", help="OpenAI base URL (HTTP)")
+    c.add_argument("--target", default="127.0.0.1:9000", help="host:port of the gRPC API")
+    c.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=None)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--api-key", default=None)
+    c.set_defaults(handler=run_client)
+
+    s = subparsers.add_parser("status", help="health, model and workers of a running cluster")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the HTTP API")
+    s.set_defaults(handler=run_status)
+
+
+def load_with_overrides(args):
+    from kvmesh.serve_config import load_config, parse_config
+
+    cfg = load_config(args.config).to_dict()
+    if args.model:
+        cfg["model"] = args.model
+    if args.replicas is not None:
+        cfg["replicas"]["num_replicas"] = args.replicas
+    if args.device:
+        cfg["engine"]["device"] = args.device
+        if args.device == "cpu":
+            cfg["replicas"]["num_gpus"] = 0
+    if args.policy:
+        cfg["routing"]["policy"] = args.policy
+    if args.host:
+        cfg["server"]["host"] = args.host
+    if args.http_port is not None:
+        cfg["server"]["http_port"] = args.http_port
+    if args.grpc_port is not None:
+        cfg["server"]["grpc_port"] = args.grpc_port
+    return parse_config(cfg)
+
+
+def run_serve(args) -> int:
+    cfg = load_with_overrides(args)
+    if args.emit_serve_config:
+        import yaml
+
+        from kvmesh.cluster.app import serve_config_document
+
+        text = yaml.safe_dump(serve_config_document(cfg), sort_keys=False)
+        if args.emit_serve_config == "-":
+            sys.stdout.write(text)
+        else:
+            with open(args.emit_serve_config, "w") as f:
+                f.write(text)
+            print(f"wrote {args.emit_serve_config} (deploy it with: serve deploy "
+                  f"{args.emit_serve_config})", file=sys.stderr)
+        return 0
+    from kvmesh.cluster.launcher import serve_forever
+
+    return serve_forever(cfg, args.address)
+
+
+def run_client(args) -> int:
+    from kvmesh.cluster.client import grpc_stream, http_stream
+
+    messages = None if args.raw else [{"role": "user", "content": args.prompt}]
+    prompt = args.prompt if args.raw else None
+    finish, usage = None, None
+    if args.grpc:
+        for msg in grpc_stream(args.target, prompt=prompt, messages=messages,
+                               max_tokens=args.max_tokens, temperature=args.temperature,
+                               seed=args.seed):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            if msg.finish_reason:
+                finish, usage = msg.finish_reason, msg.usage
+                usage = {"prompt_tokens": usage.prompt_tokens,
+                         "completion_tokens": usage.completion_tokens,
+                         "cached_tokens": usage.cached_tokens}
+    else:
+        for chunk in http_stream(args.url, prompt=prompt, messages=messages,
+                                 max_tokens=args.max_tokens, temperature=args.temperature,
+                                 seed=args.seed, api_key=args.api_key):
+            for choice in chunk.get("choices", []):
+                text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                sys.stdout.write(text or "")
+                sys.stdout.flush()
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                u = chunk["usage"]
+                usage = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                         "cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+    print()
+    print(f"[finish_reason={finish} usage={usage}]", file=sys.stderr)
+    return 0 if finish != "error" else 1
+
+
+def run_status(args) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    base = args.url.rstrip("/")
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+            health = json.load(r)
+    except urllib.error.HTTPError as e:
+        health = json.load(e)
+    except OSError as e:
+        raise ValueError(f"cannot reach {base}: {e}") from None
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        models = json.load(r)["data"]
+    print(f"status: {health['status']}  workers: {health['workers']}")
+    for m in models:
+        print(f"model: {m['id']}  max_model_len: {m.get('max_model_len')}")
+    return 0 if health["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    register(parser.add_subparsers(dest="command"))
+    a = parser.parse_args()
+    sys.exit(a.handler(a))

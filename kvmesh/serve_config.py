@@ -1,0 +1,177 @@
+"""The serving config: one YAML file for the whole cluster (model, engine, replicas, routing,
+autoscaling, ports).
+
+Validated pydantic models with a description on every field; unknown keys are rejected with a
+message naming them. `kvmesh serve CONFIG` reads it, `build_app(args)` receives it as a dict, and
+the Helm chart renders it. Inside the cluster it becomes a frozen `EngineConfig` per worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
+
+ROUTING_POLICIES = ("kv_events", "round_robin", "least_loaded", "power_of_two", "session",
+                    "prefix_approx")
+AUTOSCALING_POLICIES = ("ongoing_requests", "kv_pressure", "ttft_slo")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineSection(_Strict):
+    """Engine arguments of every worker replica (the same names as `kvmesh.LLM`'s keywords)."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the engine runs: auto (cuda when the replica has a GPU, else cpu), cpu or cuda.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and KV dtype; auto = float32 on the CPU, bfloat16 on a GPU.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (also the prefix-hash granularity the router sees).")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step (decodes first, then prompt chunks).")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once in one worker.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens; null = the model's context length.")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; null = 256 MiB on the CPU, gpu_memory_utilization on a GPU.")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the worker may use (weights + KV pool).")
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of shared prompt prefixes.")
+    attention_backend: Literal[ATTENTION_BACKENDS] = Field(  # type: ignore[valid-type]
+        "auto", description="Attention kernels: auto, torch, triton, flashinfer or flash_attn.")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs for decode.")
+    seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
+
+
+class ReplicasSection(_Strict):
+    """Worker replicas: one Ray actor per replica, each owning `num_gpus` GPUs."""
+
+    num_replicas: int = Field(1, ge=1, description="Worker replicas when autoscaling is off (the initial count when it is on).")
+    num_gpus: float = Field(1, ge=0, description="GPUs per worker replica (0 on a CPU-only cluster).")
+    num_cpus: float = Field(1, ge=0, description="CPUs reserved per worker replica.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica accepts at once; the router spills over to the next replica beyond it.")
+    max_queued_requests: int = Field(1024, ge=-1, description="Requests an ingress may hold waiting for a free worker slot; beyond it new requests get 503 with Retry-After (-1 = no limit).")
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources per worker replica (e.g. {accelerator_type:H200: 0.001}).")
+
+
+class RoutingSection(_Strict):
+    """How the request router picks a worker replica for each request."""
+
+    policy: Literal[ROUTING_POLICIES] = Field(  # type: ignore[valid-type]
+        "kv_events", description="kv_events (exact KV-event prefix index + load), round_robin, least_loaded, power_of_two, session, prefix_approx.")
+    ingress_replicas: int = Field(1, ge=1, description="Ingress (HTTP/gRPC front end) replicas; each holds its own router copy fed by the same KV event stream.")
+    temperature: float = Field(0.0, ge=0, description="kv_events: softmax temperature over costs (0 = always the cheapest worker).")
+    session_header: str = Field("x-session-id", description="session policy: HTTP header (or the OpenAI `user` field) that keys a session.")
+    event_poll_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one router copy's long poll for KV events.")
+    load_report_interval_s: float = Field(0.05, gt=0, description="How often a busy worker reports its load to the routers.")
+
+
+class AutoscalingSection(_Strict):
+    """Worker autoscaling through Serve with a kvmesh policy (see docs/SERVING.md)."""
+
+    enabled: bool = Field(False, description="Scale worker replicas by `policy`; off = a fixed replicas.num_replicas.")
+    policy: Literal[AUTOSCALING_POLICIES] = Field(  # type: ignore[valid-type]
+        "ongoing_requests", description="ongoing_requests (target per replica), kv_pressure (free KV blocks under a threshold) or ttft_slo (p90 TTFT over a target).")
+    min_replicas: int = Field(1, ge=0, description="Fewest worker replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most worker replicas.")
+    upscale_delay_s: float = Field(5, ge=0, description="How long a scale-up decision must hold before Serve adds replicas.")
+    downscale_delay_s: float = Field(30, ge=0, description="How long a scale-down decision must hold before Serve removes replicas.")
+    target_ongoing_requests: float = Field(8, gt=0, description="ongoing_requests: requests in flight per replica to aim for.")
+    kv_free_threshold: float = Field(0.1, ge=0, le=1, description="kv_pressure: scale up while the mean free-KV fraction stays under this.")
+    ttft_p90_target_s: float = Field(1.0, gt=0, description="ttft_slo: scale up while the p90 time to first token exceeds this.")
+    window_s: float = Field(30, gt=0, description="Look-back window of the metrics the policies read.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.min_replicas ({self.min_replicas}) must be <= "
+                             f"autoscaling.max_replicas ({self.max_replicas})")
+        return self
+
+
+class ServerSection(_Strict):
+    """Listening addresses of Serve's HTTP and gRPC proxies."""
+
+    host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 to accept remote clients).")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (kvmesh.v1.Generation); 0 disables gRPC.")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication.")
+
+
+class ServeConfig(_Strict):
+    """The whole serving config (see deploy/serve.yaml for a documented example)."""
+
+    model: str = Field(DEFAULT_MODEL, min_length=1, description="Model: a name (smollm2-135m-instruct), a Hugging Face directory, or random:<preset>.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="Engine arguments of every worker.")
+    replicas: ReplicasSection = Field(default_factory=ReplicasSection, description="Worker replicas and their resources.")
+    routing: RoutingSection = Field(default_factory=RoutingSection, description="Request routing policy.")
+    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection, description="Worker autoscaling.")
+    server: ServerSection = Field(default_factory=ServerSection, description="HTTP / gRPC listeners.")
+    app_name: str = Field("kvmesh", min_length=1, description="Serve application name (also names the KV event hub actor).")
+    route_prefix: str = Field("/", description="HTTP route prefix of the application.")
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("route_prefix must start with '/'")
+        return v
+
+    def engine_config(self, worker_id: str, device: str | None = None) -> EngineConfig:
+        """The frozen engine arguments of one worker replica."""
+        e = self.engine
+        return EngineConfig(
+            model=self.model, device=device or e.device, dtype=e.dtype, block_size=e.block_size,
+            max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
+            max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            enable_prefix_caching=e.enable_prefix_caching, attention_backend=e.attention_backend,
+            enforce_eager=e.enforce_eager, seed=e.seed, worker_id=worker_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def parse_config(data: dict[str, Any] | None) -> ServeConfig:
+    """Validate a config dict; errors name each bad field by its dotted path."""
+    try:
+        return ServeConfig.model_validate(data or {})
+    except ValidationError as e:
+        raise ValueError(format_errors(e)) from None
+
+
+def load_config(path: str | None) -> ServeConfig:
+    """Read a YAML serving config (None: all defaults)."""
+    if path is None:
+        return ServeConfig()
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a YAML mapping, got {type(data).__name__}")
+    try:
+        return parse_config(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def format_errors(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown key {where!r}")
+        else:
+            parts.append(f"{where}: {err['msg']}")
+    return "invalid serving config: " + "; ".join(parts)
+
+
+def describe_fields(model: type[BaseModel] = ServeConfig, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted name, description) of every field, for docs and the every-field-documented test."""
+    out = []
+    for name, info in model.model_fields.items():
+        out.append((prefix + name, info.description or ""))
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(describe_fields(ann, prefix + name + "."))
+    return out
