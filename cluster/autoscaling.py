@@ -130,7 +130,9 @@ def serve_autoscaling_config(autoscaling, initial_replicas: int) -> dict:
         "upscale_delay_s": autoscaling.upscale_delay_s,
         "downscale_delay_s": autoscaling.downscale_delay_s,
         "look_back_period_s": autoscaling.window_s,
-        "metrics_interval_s": min(1.0, autoscaling.window_s),
+        # Deprecated in Serve 2.60 for env variables, but still honoured; its 10 s default would
+        # exceed short windows (look_back_period_s must be longer).
+        "metrics_interval_s": min(1.0, autoscaling.window_s / 2),
         "target_ongoing_requests": autoscaling.target_ongoing_requests,
         "policy": {"policy_function": policy_import_path(autoscaling.policy), "policy_kwargs": kwargs},
     }
