@@ -26,6 +26,14 @@ def backend(name, h, hkv, d, page, scale):
 
 
 def time_attention(name, case, h, hkv, d, page):
+    try:
+        return _time_attention(name, case, h, hkv, d, page)
+    except Exception as e:  # one backend failing must not hide the others' numbers
+        print(f"{name} page {page}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return float("nan"), float("nan")
+
+
+def _time_attention(name, case, h, hkv, d, page):
     b = backend(name, h, hkv, d, page, case.scale)
     b.plan(case.metadata)
     out = b.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.metadata)
@@ -69,7 +77,7 @@ def main():
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     print(f"{'case':24s} {'backend':10s} {'page':>4s} {'us':>9s} {'TB/s|TF/s':>9s} {'ceil%':>6s} {'relerr':>8s}")
     for r in rows:
-        print(f"{r[0]:24s} {r[1]:10s} {r[2]:4d} {r[3]:9.1f} {r[4]:9.2f} {100 * r[5]:5.0f}% {r[6]:8.1e}")
+        print(f"{r[0]:24s} {r[1]:10s} {r[2]:4d} {r[3]:9.1f} {r[4]:9.2f} {100 * r[5]:5.0f}% {r[6]:8.1e}", flush=True)
 
 
 if __name__ == "__main__":

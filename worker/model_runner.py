@@ -5,6 +5,7 @@ import torch
 
 from kvmesh.worker.attention import select_backend
 from kvmesh.worker.attention.base import AttentionMetadata, ForwardContext, forward_context
+from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
 from kvmesh.worker.model_config import ModelConfig
 from kvmesh.worker.sampler import SampleResult, Sampler
 from kvmesh.worker.scheduler import SchedulerOutput
@@ -13,7 +14,7 @@ from kvmesh.worker.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str, seed: int,
-                 max_model_len: int):
+                 max_model_len: int, enforce_eager: bool = False, max_num_seqs: int = 256):
         self.model = model
         self.config = model_config
         self.device = device
@@ -31,6 +32,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(device, seed)
+        # --- CUDA graphs for decode (worker/cuda_graphs.py) ---
+        self.graph_runner = None
+        if device.type == "cuda" and not enforce_eager and self.backend.name != "torch":
+            self.graph_runner = DecodeCudaGraphs(self.model, self.backend, self.kv_caches, max_num_seqs,
+                                                 self.max_blocks_per_seq, max_model_len, device)
+            self.graph_runner.capture()
 
     def prepare(self, output: SchedulerOutput):
         input_ids, positions, slot_mapping = [], [], []
@@ -77,9 +84,12 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> SampleResult | None:
         """Forward the step's tokens; sample one token for each entry that reached its last token."""
         (input_ids, positions), metadata, logits_indices = self.prepare(output)
-        self.backend.plan(metadata)
-        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
-            hidden = self.model(input_ids, positions)  # [T, hidden]
+        if self.graph_runner is not None and self.graph_runner.can_run(metadata):
+            hidden = self.graph_runner.run(input_ids, positions, metadata)  # [T, hidden]
+        else:
+            self.backend.plan(metadata)
+            with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
+                hidden = self.model(input_ids, positions)  # [T, hidden]
         if not logits_indices:
             return None
         index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)

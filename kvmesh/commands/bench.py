@@ -26,12 +26,10 @@ def register(subparsers) -> None:
 
 
 def _serve(args) -> int:
-    from kvmesh.cli import CliError
-
     try:
         serve = importlib.import_module("kvmesh.bench.serve")
-    except ImportError as e:
-        raise CliError(f"kvmesh bench serve is not available in this build ({e})") from e
+    except ImportError as e:  # ValueError: the CLI prints it as one line (also under python -m kvmesh.cli)
+        raise ValueError(f"kvmesh bench serve is not available in this build ({e})") from e
     parser = argparse.ArgumentParser(prog="kvmesh bench serve")
     serve.add_arguments(parser)
     return serve.run(parser.parse_args(args.serve_args))

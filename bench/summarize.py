@@ -1,0 +1,20 @@
+"""Print the headline numbers of a `kvmesh bench offline --json` file (and its profile)."""
+import json
+import sys
+
+for path in sys.argv[1:]:
+    try:
+        with open(path) as f:
+            r = json.loads(f.read().strip().splitlines()[-1])
+    except Exception as e:
+        print(f"{path}: no result ({e})")
+        continue
+    print(f"{path}: backend {r['attention_backend']} graphs {r['cuda_graphs']}: {r['seconds']:.2f} s, "
+          f"{r['output_tok_per_s']:.0f} out tok/s, {r['total_tok_per_s']:.0f} total tok/s, floor {r['floor_seconds']:.2f} s "
+          f"= {r['floor_ratio']:.3f}; steps {r['steps']}, host outside execute {r['host_seconds_outside_execute']:.2f} s, "
+          f"execute {r['execute_seconds']:.2f} s; copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"mm {r['matmul_flops_per_s'] / 1e12:.0f} TF/s")
+    for name, p in r.get("peers", {}).items():
+        print(f"  peer {name}: {p}")
+    if r.get("profile"):
+        print(r["profile"])
