@@ -1,6 +1,9 @@
 """Runs the model for one SchedulerOutput: builds the step's inputs and attention metadata, runs
 the forward pass inside a forward_context, and samples. Never mutates scheduler state."""
 
+import itertools
+
+import numpy as np
 import torch
 
 from kvmesh.worker.attention import select_backend
@@ -40,44 +43,43 @@ class ModelRunner:
             self.graph_runner.capture()
 
     def prepare(self, output: SchedulerOutput):
-        input_ids, positions, slot_mapping = [], [], []
-        query_lens, seq_lens, block_tables = [], [], []
-        logits_indices = []
-        num_decode_tokens = 0
-        for entry in output.scheduled:
-            request = entry.request
-            start = request.num_computed_tokens
-            end = start + entry.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            for pos in range(start, end):
-                slot_mapping.append(request.block_ids[pos // self.block_size] * self.block_size
-                                    + pos % self.block_size)
-            query_lens.append(entry.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(request.block_ids)
-            if entry.samples:
-                logits_indices.append(len(input_ids) - 1)
-            if entry.num_new_tokens == 1 and entry.samples:
-                num_decode_tokens += 1
-        width = max(len(b) for b in block_tables)
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for i, blocks in enumerate(block_tables):
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        query_start_loc = [0]
-        for q in query_lens:
-            query_start_loc.append(query_start_loc[-1] + q)
+        # Vectorised with numpy: with hundreds of running sequences a per-token Python loop cost
+        # more host time than the GPU's decode step (see docs/PERF.md).
+        entries = output.scheduled
+        block_size = self.block_size
+        query_lens = [e.num_new_tokens for e in entries]
+        starts = [e.request.num_computed_tokens for e in entries]
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        block_tables = [e.request.block_ids for e in entries]
+        input_ids = []
+        for e, s, q in zip(entries, starts, query_lens):
+            input_ids.extend(e.request.all_token_ids[s:s + q])
+        query_start_loc = np.zeros(len(entries) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        rows = np.repeat(np.arange(len(entries)), query_lens)  # [T] sequence of each token
+        positions = np.arange(len(input_ids)) - query_start_loc[rows] + np.asarray(starts, dtype=np.int64)[rows]
+        # block table: the sequences' block ids, right-padded with 0
+        num_blocks = np.fromiter((len(b) for b in block_tables), dtype=np.int64, count=len(entries))
+        width = int(num_blocks.max())
+        table = np.zeros((len(entries), width), dtype=np.int32)
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(num_blocks.sum()))
+        table[np.repeat(np.arange(len(entries)), num_blocks),
+              np.arange(flat.shape[0]) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)] = flat
+        slot_mapping = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        samples = [e.samples for e in entries]
+        logits_indices = [int(query_start_loc[i + 1]) - 1 for i, x in enumerate(samples) if x]
+        num_decode_tokens = sum(1 for q, x in zip(query_lens, samples) if q == 1 and x)
         dev = self.device
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             num_decode_tokens=num_decode_tokens)
         inputs = (torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-                  torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True))
+                  torch.from_numpy(positions).to(dev, non_blocking=True))
         return inputs, metadata, logits_indices
 
     @torch.inference_mode()

@@ -43,6 +43,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if q.is_cuda:  # q and k in one fused launch (kvmesh.kernels.rotary: same arithmetic)
+            from kvmesh.kernels.rotary import apply_rotary
+            return apply_rotary(positions, q, k, self.cos, self.sin)
         # positions [T]; q [T, H, D]; k [T, Hkv, D]
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)

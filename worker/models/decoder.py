@@ -55,6 +55,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused launch (kvmesh.kernels.silu_and_mul)
+            from kvmesh.kernels.silu_and_mul import silu_and_mul
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,0 +1,52 @@
+"""Rotary position embedding (neox / rotate-half layout) for q and k in one launch.
+
+Matches kvmesh.worker.layers.rotary: float32 arithmetic with the float32 cos/sin tables
+[max_positions, head_dim / 2], result cast back to the input dtype. q, k may be strided views
+([T, H, D] with a contiguous last dimension); outputs are new contiguous tensors.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out, k_out, positions, cos_ptr, sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    pos = tl.load(positions + token).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HALF + offs, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * HALF + offs, mask=mask, other=0.0)
+    if head < num_q_heads:
+        src = q_ptr + token * stride_qt + head * stride_qh
+        dst = q_out + (token * num_q_heads + head) * 2 * HALF
+    else:
+        src = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
+        dst = k_out + (token * num_k_heads + head - num_q_heads) * 2 * HALF
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + offs, (x1 * cos - x2 * sin).to(q_out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + offs, (x2 * cos + x1 * sin).to(q_out.dtype.element_ty), mask=mask)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T]; q [T, H, D], k [T, Hkv, D]; cos, sin [max_positions, D / 2] float32 contiguous."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
+            q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            num_q_heads, num_k_heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return q_out, k_out

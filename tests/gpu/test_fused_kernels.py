@@ -1,0 +1,54 @@
+"""The fused Triton RMSNorm, rotary and SiLU-and-mul kernels against the torch code they replace
+(kvmesh.worker.layers on the CPU path), on fresh random bf16 inputs: equal within one bf16 rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+
+def close(out, ref):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    diff = (out.float() - ref.float()).abs()
+    # at most one bf16 ulp of the reference value (rounding order), nothing else
+    assert torch.all(diff <= ref.float().abs() * 2 ** -7 + 1e-6), diff.max()
+    assert (diff > 0).float().mean() < 0.02
+
+
+def test_rms_norm_2d_and_strided_heads():
+    from kvmesh.kernels.rms_norm import rms_norm
+    from kvmesh.worker.layers.norm import RMSNorm
+
+    norm = RMSNorm(1024, 1e-6).to(torch.bfloat16)
+    norm.weight.data = torch.randn(1024, dtype=torch.bfloat16)
+    x = torch.randn(37, 1024, dtype=torch.bfloat16)
+    close(rms_norm(x.cuda(), norm.weight.cuda(), 1e-6).cpu(), norm(x))
+    qkv = torch.randn(37, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
+    q = qkv[:, :16 * 128].view(37, 16, 128)  # strided rows, as split off the qkv projection
+    head_norm = RMSNorm(128, 1e-6).to(torch.bfloat16)
+    head_norm.weight.data = torch.randn(128, dtype=torch.bfloat16)
+    close(rms_norm(q.cuda(), head_norm.weight.cuda(), 1e-6).cpu(), head_norm(q))
+
+
+def test_rotary_matches_layer():
+    from kvmesh.kernels.rotary import apply_rotary
+    from kvmesh.worker.layers import rotary
+    from kvmesh.worker.presets import hf_config_for
+
+    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096)
+    positions = torch.randint(0, 4096, (53,))
+    q = torch.randn(53, 16, 128, dtype=torch.bfloat16)
+    k = torch.randn(53, 8, 128, dtype=torch.bfloat16)
+    ref_q, ref_k = emb(positions, q, k)  # CPU path: the torch code
+    out_q, out_k = apply_rotary(positions.cuda(), q.cuda(), k.cuda(), emb.cos.cuda(), emb.sin.cuda())
+    close(out_q.cpu(), ref_q)
+    close(out_k.cpu(), ref_k)
+
+
+def test_silu_and_mul():
+    from kvmesh.kernels.silu_and_mul import silu_and_mul
+
+    x = torch.randn(29, 2 * 3072, dtype=torch.bfloat16)
+    gate, up = x.split(3072, dim=-1)
+    close(silu_and_mul(x.cuda()).cpu(), F.silu(gate) * up)
