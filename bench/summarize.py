@@ -5,7 +5,7 @@ import sys
 for path in sys.argv[1:]:
     try:
         with open(path) as f:
-            r = json.loads(f.read().strip().splitlines()[-1])
+            r = json.loads([line for line in f.read().splitlines() if line.startswith("{")][-1])
     except Exception as e:
         print(f"{path}: no result ({e})")
         continue

@@ -27,7 +27,7 @@ def write_random_model_dir(path: str, preset: str = PEER_PRESET, seed: int = 0) 
     from kvmesh.worker.presets import build_byte_tokenizer, hf_config_for
 
     config = hf_config_for(preset)
-    config.torch_dtype = torch.bfloat16
+    config.dtype = torch.bfloat16  # saved as "dtype"; nano-vllm reads it back as torch_dtype
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
@@ -62,7 +62,7 @@ def run_peer(name: str, workload, args) -> dict:
     os.unlink(spec)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        return {"error": proc.stderr.strip()[-1500:] or "no output"}
     return json.loads(lines[-1])
 
 
