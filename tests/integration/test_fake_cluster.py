@@ -189,11 +189,13 @@ def test_kvmesh_on_fake_multinode_cluster_scales_nodes_with_replicas(cluster):
             return False
 
     # The first replica made the autoscaler add one worker node.
-    wait_for("kvmesh to answer /v1/models", ready, 240, on_timeout=serve_log)
+    wait_for("kvmesh to answer /v1/models with a worker node up",
+             lambda: ready() and worker_nodes(dashboard), 240, on_timeout=serve_log)
     assert len(worker_nodes(dashboard)) == 1
 
     completion = post(f"{base}/v1/completions",
-                      {"model": MODEL, "prompt": "The fake cluster says", "max_tokens": 8, "ignore_eos": True})
+                      {"model": MODEL, "prompt": "The fake cluster says", "max_tokens": 8, "ignore_eos": True},
+                      timeout=180)
     assert completion["usage"]["completion_tokens"] == 8
     assert completion["choices"][0]["finish_reason"] == "length"
 
@@ -227,6 +229,7 @@ def test_kvmesh_on_fake_multinode_cluster_scales_nodes_with_replicas(cluster):
     status = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", f"--url={base}"],
                             env=env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout + status.stderr
+    assert MODEL in status.stdout, status.stdout
 
     # Stop as DEPLOY.md does: Ctrl-C (here SIGTERM) on kvmesh serve deletes the app, then ray stop
     # (inside the namespace) ends every process of the cluster.

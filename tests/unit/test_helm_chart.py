@@ -2,12 +2,16 @@
 
 import importlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from helm_support import CHART, NAMESPACE, REPO, helm, manifests, one, render, serve_config
-from helm_values import BAD_VALUES, VALUE_SETS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # helm_support, helm_values
+
+from helm_support import CHART, NAMESPACE, REPO, helm, manifests, one, render, serve_config  # noqa: E402
+from helm_values import BAD_VALUES, VALUE_SETS  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))

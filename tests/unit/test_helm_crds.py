@@ -2,11 +2,15 @@
 CRD schemas (unknown fields rejected), Services and ConfigMaps against Kubernetes' own schemas."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 
-from helm_support import crd_errors, manifests, one, require_kuberay_crds
-from helm_values import VALUE_SETS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # helm_support, helm_values
+
+from helm_support import crd_errors, manifests, one, require_kuberay_crds  # noqa: E402
+from helm_values import VALUE_SETS  # noqa: E402
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[deploy]')")
