@@ -26,6 +26,7 @@ class Frontend:
         self.tokenizer, self.model_name = load_tokenizer(config.model)
         self.model_aliases = {self.model_name, config.model}
         self.metrics = IngressMetrics()
+        self.metrics.init_model(self.model_name)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._decode_cache: dict[int, str] = {}
@@ -51,11 +52,14 @@ class Frontend:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
     def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # as kvmesh.LLM.generate
 
     def decode_token(self, token_id: int) -> str:
         text = self._decode_cache.get(token_id)

@@ -68,7 +68,8 @@ class GrpcService:
                 step = asyncio.ensure_future(deltas.__anext__())
                 done, _ = await asyncio.wait({step, aborted}, return_when=asyncio.FIRST_COMPLETED)
                 if step not in done:
-                    step.cancel()
+                    step.cancel()  # closes the worker call (abort there) before we answer
+                    await asyncio.wait({step})
                     yield pb.GenerateResponse(request_id=routed.request_id, finish_reason="abort",
                                               usage=pb.Usage(prompt_tokens=routed.num_prompt_tokens,
                                                              completion_tokens=num_tokens))

@@ -54,7 +54,7 @@ class Ingress(GrpcService):
         info = await self.frontend.model_info()
         return {"object": "list", "data": [{
             "id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
-            "max_model_len": info.max_model_len}]}
+            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics(self):

@@ -33,3 +33,4 @@ class ModelInfo:
     block_size: int
     hash_salt: bytes
     eos_token_id: int | None = None
+    vocab_size: int | None = None

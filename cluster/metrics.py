@@ -28,6 +28,7 @@ class _WorkerCollector:
         kv = GaugeMetricFamily("kvmesh_kv_usage_ratio", "Fraction of a worker's KV blocks in use.", labels=["worker"])
         hit = GaugeMetricFamily("kvmesh_prefix_hit_rate", "Cached / prompt tokens of a worker since it started.", labels=["worker"])
         free = GaugeMetricFamily("kvmesh_kv_free_blocks", "Free KV blocks of a worker.", labels=["worker"])
+        served = GaugeMetricFamily("kvmesh_worker_requests", "Requests a worker accepted since it started.", labels=["worker"])
         replicas = GaugeMetricFamily("kvmesh_replicas", "Worker replicas reporting to the KV event hub.", labels=["deployment"])
         for wid, load in sorted(self.loads.items()):
             queue.add_metric([wid], load.waiting)
@@ -37,8 +38,9 @@ class _WorkerCollector:
         for wid, s in sorted(self.stats.items()):
             prompt = s.get("prompt_tokens", 0)
             hit.add_metric([wid], s.get("cached_tokens", 0) / prompt if prompt else 0.0)
+            served.add_metric([wid], s.get("requests", 0))
         replicas.add_metric([WORKER_DEPLOYMENT], len(set(self.loads) | set(self.stats)))
-        return [queue, running, kv, hit, free, replicas]
+        return [queue, running, kv, hit, free, served, replicas]
 
 
 class IngressMetrics:
@@ -55,6 +57,13 @@ class IngressMetrics:
         self.retries = Counter("kvmesh_request_retries", "Requests sent again after their worker died.", ["model"], registry=r)
         self.workers = _WorkerCollector()
         r.register(self.workers)
+
+    def init_model(self, model: str) -> None:
+        """Export the model's series at 0 from the start (dashboards see them before traffic)."""
+        self.requests.labels(model=model, status="200")
+        for metric in (self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
+                       self.cached_tokens, self.retries):
+            metric.labels(model=model)
 
     def observe_status(self, model: str, status: int) -> None:
         self.requests.labels(model=model, status=str(status)).inc()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from kvmesh.cluster.event_log import PollResult, WorkerGone
+from kvmesh.cluster.recent_routes import RecentRoutes
 from kvmesh.protocol import KVEventBatch, KVSnapshot
 
 
@@ -22,6 +23,8 @@ class RoutingState:
         options = {"temperature": temperature} if policy == "kv_events" else {}
         # cap = the replicas' max_ongoing_requests: beyond it a worker is ranked after the others.
         self.router = Router(policy=policy, block_size=block_size, default_cap=cap, **options)
+        self.block_size = block_size
+        self.recent = RecentRoutes() if policy == "kv_events" else None
         self.policy = policy
         self._lock = threading.Lock()
         self._applied: dict[str, tuple[int, int]] = {}  # worker -> (epoch, last applied seq)
@@ -89,6 +92,8 @@ class RoutingState:
             for wid in gone:
                 self._applied.pop(wid, None)
                 self.router.remove_worker(wid)
+                if self.recent is not None:
+                    self.recent.forget_worker(wid)
         return gone
 
     def remove_worker(self, worker_id: str) -> None:
@@ -107,8 +112,27 @@ class RoutingState:
                 if wid not in self._applied:
                     self.router.add_worker(wid)  # running but not heard from yet: no cache
             ranked = self.router.route(block_hashes, num_prompt_tokens, session_key=session_key)
+            if self.recent is not None and ranked:
+                ranked = self._prefer_recent(ranked, block_hashes)
+                self.recent.record(block_hashes, ranked[0])
         candidate_set = set(candidates)
         order = [w for w in ranked if w in candidate_set]
         seen = set(order)
         return order + [w for w in candidates if w not in seen]
+
+    def _prefer_recent(self, ranked: list[str], block_hashes: list[int]) -> list[str]:
+        """Move to the front a worker that was just sent this prefix, when the index does not show
+        it yet and the prefill it saves outweighs the prompt tokens already queued there."""
+        worker, num_blocks = self.recent.match(block_hashes)
+        if worker is None or worker == ranked[0] or worker not in ranked:
+            return ranked
+        with self.router._lock:  # the index is read under the router's own lock
+            known = self.router.index.overlap(block_hashes, [ranked[0], worker])
+        saved = (num_blocks - known.get(worker, 0)) * self.block_size
+        state = self.router.worker_state(worker)
+        if state is None or state.full or not state.healthy:
+            return ranked
+        if known.get(ranked[0], 0) >= num_blocks or saved < state.load.waiting_prefill_tokens:
+            return ranked
+        return [worker] + [w for w in ranked if w != worker]
 

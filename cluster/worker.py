@@ -80,7 +80,8 @@ class KVWorker:
         tok = self.engine.tokenizer
         return ModelInfo(self.engine.model_name, int(self.engine.max_model_len),
                          int(self.engine.block_size), bytes(self.engine.hash_salt),
-                         getattr(tok, "eos_token_id", None))
+                         getattr(tok, "eos_token_id", None),
+                         int(self.engine.model_config.vocab_size))
 
     async def load(self) -> dict:
         return {"worker_id": self.worker_id, "load": self.loop.load, "stats": vars(self.loop.stats)}

@@ -1,0 +1,93 @@
+"""A `kvmesh serve` process on this machine, started and stopped by its process id: what the
+integration tests and `kvmesh bench serve --launch` use.
+
+    with LocalCluster(["--replicas", "2", "--device", "cpu", "--model", "random:tiny-llama"]) as c:
+        print(c.http_url, c.grpc_target, c.ray_address)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+READY_LINE = "Ctrl-C stops it."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_ray_env() -> dict[str, str]:
+    """Environment that keeps every Ray listener on 127.0.0.1 (and, in tests, auth off)."""
+    env = dict(os.environ)
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return env
+
+
+class LocalCluster:
+    def __init__(self, args: list[str], config: str | None = None, start_timeout_s: float = 180.0):
+        self.http_port = free_port()
+        self.grpc_port = free_port()
+        self.args = ([config] if config else []) + list(args) + [
+            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.log_path = None
+        self.ray_address = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self) -> "LocalCluster":
+        log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-serve-", suffix=".log", delete=False)
+        self.log_path = log.name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", *self.args], stdout=log,
+            stderr=subprocess.STDOUT, env=loopback_ray_env(), start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            text = self.log()
+            if READY_LINE in text:
+                m = re.search(r"ray:\s+(\S+)", text)
+                self.ray_address = m.group(1) if m else None
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvmesh serve exited with {self.proc.returncode}:\n{text[-4000:]}")
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"kvmesh serve not ready after {self.start_timeout_s} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # kvmesh serve shuts Serve and its Ray down
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+            self.proc.wait(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,190 @@
+"""`kvmesh bench serve`: an open-loop HTTP benchmark of a kvmesh cluster.
+
+Requests come from the router simulator's seeded workloads (kvmesh.router.sim.workloads, `tenants`
+by default: tenants with shared system prompts, Zipf popularity), sent as token ids to
+/v1/completions with streaming, at Poisson arrivals of `--rate` requests/s (open loop: a slow server
+does not slow the client down) or with `--concurrency` requests always in flight (closed loop).
+Each request asks for exactly its output length (ignore_eos). Reported: TTFT, TPOT and ITL p50 /
+p99, output throughput, and the prefix hit rate (cached / prompt tokens, from the usage).
+
+Against a running cluster (`--url`), or `--launch "ARGS"` to start `kvmesh serve ARGS` once per
+policy in `--policies` and compare them on the same trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+
+import numpy as np
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of a running cluster")
+    parser.add_argument("--launch", metavar="ARGS", help='start `kvmesh serve ARGS` per policy (e.g. "--replicas 2 --device cpu --model random:tiny-llama")')
+    parser.add_argument("--policies", default="kv_events,round_robin", help="with --launch: routing policies to compare")
+    parser.add_argument("--workload", default="tenants", help="simulator workload (tenants, multiturn, prefix_repetition, random)")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
+    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (closed loop)")
+    parser.add_argument("--num-tenants", type=int, default=16)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--suffix-tokens", type=int, nargs=2, default=(32, 128))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this (default: the served model's)")
+    parser.add_argument("--warmup", type=int, default=0, help="requests sent (and not measured) before the run")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
+
+
+def build_trace(args, block_size: int = 16):
+    from kvmesh.router.sim.workloads import assign_arrivals, make_workload
+
+    options = {}
+    if args.workload == "tenants":
+        options = dict(num_tenants=args.num_tenants, system_tokens=args.system_tokens,
+                       suffix_tokens=tuple(args.suffix_tokens), output_tokens=tuple(args.output_tokens))
+    workload = make_workload(args.workload, args.num_requests, seed=args.seed,
+                             block_size=block_size, **options)
+    if args.rate:
+        assign_arrivals(workload, args.rate)
+    return workload
+
+
+async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int, sent: float,
+               session_key: str | None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if session_key:
+        body["user"] = session_key
+    times, usage, status = [], None, 0
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        status = resp.status
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"status": status, "sent": sent, "end": end, "token_times": times, "usage": usage}
+
+
+async def run_trace(url: str, workload, args, vocab_size: int, model: str) -> dict:
+    import aiohttp
+
+    reqs = workload.requests
+    prompts = [[int(t) % vocab_size for t in r.prompt_token_ids] for r in reqs]
+    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        for i in range(min(args.warmup, len(reqs))):
+            await _one(session, url, model, prompts[i][:32], 2, time.perf_counter(), None)
+        start = time.perf_counter()
+        results = []
+
+        async def fire(i):
+            r = reqs[i]
+            results.append(await _one(session, url, model, prompts[i], r.output_len,
+                                      time.perf_counter(), r.session_key))
+
+        if args.concurrency:
+            queue = list(range(len(reqs)))
+
+            async def worker():
+                while queue:
+                    await fire(queue.pop(0))
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        else:
+            tasks = []
+            for i, r in enumerate(reqs):
+                delay = start + (r.arrival if args.rate else 0.0) - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(fire(i)))
+            await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration)
+
+
+def _pct(values, q):
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if r["status"] == 200 and r["token_times"]]
+    ttft = [r["token_times"][0] - r["sent"] for r in ok]
+    tpot = [(r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1)
+            for r in ok if len(r["token_times"]) > 1]
+    itl = [b - a for r in ok for a, b in zip(r["token_times"], r["token_times"][1:])]
+    prompt = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok if r["usage"])
+    output = sum(r["usage"]["completion_tokens"] for r in ok if r["usage"])
+    return {
+        "requests": len(results), "ok": len(ok), "duration_s": duration,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+        "output_tokens_per_s": output / duration if duration else 0.0,
+        "requests_per_s": len(ok) / duration if duration else 0.0,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+    }
+
+
+def _served(url: str) -> tuple[str, int | None]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as resp:
+        model = json.load(resp)["data"][0]
+    return model["id"], model.get("vocab_size")
+
+
+def bench_url(url: str, args) -> dict:
+    model, vocab = _served(url)
+    vocab = args.vocab_size or vocab or 151936
+    workload = build_trace(args)
+    return asyncio.run(run_trace(url, workload, args, vocab, model))
+
+
+def format_table(rows: dict[str, dict]) -> str:
+    cols = [("ttft_p50_s", "TTFT p50", 1e3), ("ttft_p99_s", "TTFT p99", 1e3),
+            ("tpot_p50_s", "TPOT p50", 1e3), ("tpot_p99_s", "TPOT p99", 1e3),
+            ("itl_p50_s", "ITL p50", 1e3), ("itl_p99_s", "ITL p99", 1e3),
+            ("output_tokens_per_s", "out tok/s", 1), ("prefix_hit_rate", "hit rate", 1)]
+    head = "| policy | ok | " + " | ".join(c[1] + (" (ms)" if c[2] == 1e3 else "") for c in cols) + " |"
+    sep = "|" + "---|" * (len(cols) + 2)
+    lines = [head, sep]
+    for name, r in rows.items():
+        vals = [f"{r[k] * s:.1f}" if s == 1e3 else (f"{r[k]:.3f}" if k == "prefix_hit_rate" else f"{r[k]:.1f}")
+                for k, _, s in cols]
+        lines.append(f"| {name} | {r['ok']}/{r['requests']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if not args.rate and not args.concurrency:
+        raise ValueError("give --rate (open loop, requests/s) or --concurrency (closed loop)")
+    rows = {}
+    if args.launch:
+        from kvmesh.cluster.local import LocalCluster
+
+        for policy in args.policies.split(","):
+            launch = shlex.split(args.launch) + ["--policy", policy]
+            with LocalCluster(launch) as cluster:
+                print(f"[{policy}] serving at {cluster.http_url}", file=sys.stderr)
+                rows[policy] = bench_url(cluster.http_url, args)
+    else:
+        rows["served"] = bench_url(args.url.rstrip("/"), args)
+    print(format_table(rows))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "handler"},
+                       "results": rows}, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,84 @@
+"""Worker autoscaling with a kvmesh policy on the CPU: 1 -> 2 replicas under load, back to 1 idle.
+
+The ongoing_requests policy with a target of 1 request per replica, short delays and window, so
+that 4 long requests in flight ask for 2 replicas (max) within seconds and idleness for 1.
+"""
+
+import concurrent.futures as cf
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from kvmesh.cluster.local import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+
+
+def replicas(cluster) -> float:
+    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return float(re.search(r'^kvmesh_replicas\{deployment="KVWorker"\} (\S+)$', text, re.M).group(1))
+
+
+def wait_for_replicas(cluster, n, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        seen.append(replicas(cluster))
+        if seen[-1] == n:
+            return seen
+        time.sleep(0.25)
+    raise AssertionError(f"no {n} replicas within {timeout_s} s; saw {sorted(set(seen))}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "autoscale.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": MODEL,
+        "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
+        "autoscaling": {"enabled": True, "policy": "ongoing_requests", "min_replicas": 1,
+                        "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
+                        "downscale_delay_s": 3, "window_s": 2},
+    }))
+    with LocalCluster([], config=str(config)) as c:
+        yield c
+
+
+def test_scales_up_under_load_and_down_when_idle(cluster):
+    assert replicas(cluster) == 1
+
+    def one(i):
+        body = json.dumps({"model": MODEL, "prompt": f"load {i}", "max_tokens": 400,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(cluster.http_url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status
+
+    stop_at = time.monotonic() + 120
+    with cf.ThreadPoolExecutor(4) as ex:
+        # keep 4 requests in flight until the second replica reports (or the bound passes)
+        pending = {ex.submit(one, i) for i in range(4)}
+        statuses, i = [], 4
+        while time.monotonic() < stop_at:
+            if replicas(cluster) == 2:
+                break
+            done = {f for f in pending if f.done()}
+            for f in done:
+                statuses.append(f.result())
+                pending.discard(f)
+                pending.add(ex.submit(one, i))
+                i += 1
+            time.sleep(0.25)
+        assert replicas(cluster) == 2
+        statuses += [f.result() for f in pending]
+    assert set(statuses) == {200}
+    wait_for_replicas(cluster, 1, timeout_s=90)

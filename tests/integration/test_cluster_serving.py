@@ -1,0 +1,300 @@
+"""The serving cluster end to end on the CPU: `kvmesh serve --replicas 2 --device cpu` with a tiny
+random model, reached over OpenAI HTTP (the official client) and gRPC on 127.0.0.1.
+
+One cluster for the module (started once); the replica-killing test runs last.
+"""
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from kvmesh.cluster.client import grpc_call, grpc_stream
+from kvmesh.cluster.local import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+SEED = 1234
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(["--replicas", "2", "--device", "cpu", "--model", MODEL]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def openai_client(cluster):
+    import openai
+
+    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(cluster, path, body, timeout=120):
+    req = urllib.request.Request(cluster.http_url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.load(resp), dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e), dict(e.headers)
+
+
+def metrics(cluster) -> dict[str, float]:
+    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def worker_gauge(cluster, name) -> dict[str, float]:
+    return {re.search(r'worker="([^"]+)"', k).group(1): v
+            for k, v in metrics(cluster).items() if k.startswith(name + "{")}
+
+
+# ---- correctness against the offline engine ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def offline_text():
+    from kvmesh import LLM, SamplingParams
+
+    llm = LLM(MODEL, device="cpu")
+    out = llm.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0.8, seed=SEED), use_tqdm=False)
+    return out[0].text
+
+
+def test_openai_client_streams_the_same_chat_as_llm_chat(openai_client, offline_text):
+    stream = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.8, seed=SEED, stream=True,
+        stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == offline_text
+    assert finish in ("stop", "length")
+    assert usage.completion_tokens > 0 and usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_grpc_client_streams_the_same_chat(cluster, offline_text):
+    msgs = list(grpc_stream(cluster.grpc_target, messages=MESSAGES, max_tokens=24,
+                            temperature=0.8, seed=SEED))
+    assert "".join(m.text for m in msgs) == offline_text
+    assert msgs[-1].finish_reason in ("stop", "length")
+    assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+
+
+def test_non_streaming_chat_equals_streaming(openai_client, offline_text):
+    r = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                              temperature=0.8, seed=SEED)
+    assert r.choices[0].message.content == offline_text
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completions_with_logprobs_and_stop(openai_client):
+    r = openai_client.completions.create(model=MODEL, prompt="abc abc abc", max_tokens=6,
+                                         temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    first = r.choices[0].text
+    if len(first) > 2:
+        stop = first[1:3]
+        r2 = openai_client.completions.create(model=MODEL, prompt="abc abc abc", max_tokens=6,
+                                              temperature=0, stop=[stop])
+        assert r2.choices[0].finish_reason == "stop" and stop not in r2.choices[0].text
+
+
+def test_models_health_and_grpc_info(cluster, openai_client):
+    assert [m.id for m in openai_client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(cluster.http_url + "/health", timeout=30) as resp:
+        assert json.load(resp) == {"status": "ok", "workers": 2}
+    assert grpc_call(cluster.grpc_target, "Health").num_workers == 2
+    assert [m.id for m in grpc_call(cluster.grpc_target, "ListModels").models] == [MODEL]
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+def test_requests_sharing_a_long_prefix_land_on_the_same_replica(cluster):
+    prefix = "You are a helpful assistant for the harbour office. " * 8
+    first = post(cluster, "/v1/completions", {"model": MODEL, "prompt": prefix + "Question one?",
+                                              "max_tokens": 2, "temperature": 0})
+    second = post(cluster, "/v1/completions", {"model": MODEL, "prompt": prefix + "Question two?",
+                                               "max_tokens": 2, "temperature": 0})
+    assert first[0] == second[0] == 200
+    cached = second[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 * (len(prefix) // 16 - 1), second[1]["usage"]
+
+
+def test_a_mixed_load_of_distinct_prefixes_uses_both_replicas(cluster):
+    before = worker_gauge(cluster, "kvmesh_worker_requests")
+    assert len(before) == 2
+
+    def one(i):
+        prefix = f"Tenant {i} system prompt: " + chr(65 + i) * 120
+        return post(cluster, "/v1/completions", {"model": MODEL, "prompt": prefix + f" q{i}",
+                                                 "max_tokens": 8, "temperature": 0})[0]
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        assert list(ex.map(one, range(8))) == [200] * 8
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # worker counters reach the hub within a load report
+        after = worker_gauge(cluster, "kvmesh_worker_requests")
+        if sum(after.values()) - sum(before.values()) >= 8:
+            break
+        time.sleep(0.1)
+    served = {w: after[w] - before.get(w, 0) for w in after}
+    assert sum(served.values()) >= 8  # (+ an earlier test's request whose count came late)
+    assert all(n > 0 for n in served.values()), served
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ({"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ({"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+    ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": MESSAGES, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ({"messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
+    ({"messages": MESSAGES, "model": "no-such-model"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("fields,status,param", BAD_REQUESTS, ids=[b[2] + str(b[1]) for b in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors_naming_the_field(cluster, fields, status, param):
+    body = {"model": MODEL, **fields}
+    code, err, _ = post(cluster, "/v1/chat/completions", body)
+    assert code == status
+    assert err["error"]["param"] == param
+    assert err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"]
+
+
+def test_prompt_too_long_names_the_limit(cluster):
+    code, err, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "y" * 5000})
+    assert code == 400
+    assert err["error"]["code"] == "context_length_exceeded"
+    assert "limit is 2047" in err["error"]["message"]
+
+
+def test_malformed_json_is_a_400(cluster):
+    req = urllib.request.Request(cluster.http_url + "/v1/completions", b"{not json",
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+
+
+def test_grpc_errors_have_status_codes(cluster):
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="hi", temperature=-2.0))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="hi", model="nope"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_server_keeps_serving_after_errors(cluster):
+    code, body, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "still there?",
+                                                      "max_tokens": 3, "temperature": 0})
+    assert code == 200 and body["usage"]["completion_tokens"] == 3
+    counts = metrics(cluster)
+    assert counts[f'kvmesh_requests_total{{model="{MODEL}",status="400"}}'] >= len(BAD_REQUESTS) - 1
+    assert counts[f'kvmesh_requests_total{{model="{MODEL}",status="404"}}'] >= 1
+
+
+# ---- cancellation ---------------------------------------------------------------------------------
+
+def test_a_client_that_disconnects_aborts_its_request_on_the_worker(cluster, openai_client):
+    stream = openai_client.completions.create(model=MODEL, prompt="go on forever", max_tokens=1500,
+                                              temperature=0, stream=True)
+    next(iter(stream))
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
+    stream.close()
+    deadline = time.monotonic() + 15  # ~1500 tokens would take far longer than this
+    while time.monotonic() < deadline:
+        if sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0:
+            break
+        time.sleep(0.1)
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
+
+
+def test_grpc_abort_ends_the_stream_with_abort(cluster):
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    stream = grpc_stream(cluster.grpc_target, prompt="long one", max_tokens=1500,
+                         request_id="abort-me", temperature=0.0)
+    first = next(stream)
+    assert first.request_id == "abort-me"
+    assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="abort-me")).found
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+
+
+# ---- faults (last: it kills a replica) ------------------------------------------------------------
+
+def test_metrics_export_the_contract_names(cluster):
+    names = {k.split("{")[0] for k in metrics(cluster)}
+    for name in ("kvmesh_requests_total", "kvmesh_request_ttft_seconds_bucket",
+                 "kvmesh_request_tpot_seconds_bucket", "kvmesh_request_e2e_seconds_bucket",
+                 "kvmesh_prompt_tokens_total", "kvmesh_generation_tokens_total",
+                 "kvmesh_cached_prompt_tokens_total", "kvmesh_queue_depth",
+                 "kvmesh_running_requests", "kvmesh_kv_usage_ratio", "kvmesh_prefix_hit_rate",
+                 "kvmesh_replicas"):
+        assert name in names, name
+
+
+def test_killing_a_replica_during_a_load_loses_no_request(cluster):
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(address=cluster.ray_address, namespace="serve", logging_level="ERROR")
+    try:
+        workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if "#KVWorker#" in a["name"]]
+        assert len(workers) == 2
+
+        def one(i):
+            return post(cluster, "/v1/completions", {
+                "model": MODEL, "prompt": f"request number {i} " * 10, "max_tokens": 32,
+                "temperature": 0.5, "seed": i, "ignore_eos": True})
+
+        with cf.ThreadPoolExecutor(12) as ex:
+            futures = [ex.submit(one, i) for i in range(24)]
+            # kill a worker while it runs requests
+            deadline, victim = time.monotonic() + 30, None
+            while time.monotonic() < deadline and victim is None:
+                busy = [w for w, n in worker_gauge(cluster, "kvmesh_running_requests").items() if n >= 1]
+                victim = next((name for name in workers for w in busy if name.endswith("#" + w)), None)
+                time.sleep(0.02)
+            assert victim is not None
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            results = [f.result() for f in futures]
+        assert [r[0] for r in results] == [200] * 24
+        assert all(r[1]["usage"]["completion_tokens"] == 32 for r in results)
+        assert metrics(cluster)[f'kvmesh_request_retries_total{{model="{MODEL}"}}'] >= 1
+        # the cluster goes on: the next request is served
+        assert post(cluster, "/v1/completions", {"model": MODEL, "prompt": "after", "max_tokens": 2})[0] == 200
+    finally:
+        ray.shutdown()
