@@ -249,16 +249,12 @@ class KVIndex:
 
     def approx_bytes(self) -> int:
         """Memory the index holds, from sys.getsizeof of its containers and entries (O(blocks))."""
-        total = sys.getsizeof(self._blocks) + _ODICT_NODE_BYTES * len(self._blocks)
+        total = sys.getsizeof(self._blocks)  # includes the OrderedDict's linked-list nodes
         for h, mask in self._blocks.items():
             total += sys.getsizeof(h) + (sys.getsizeof(mask) if mask > 255 else 0)  # small ints are shared
         for entry in self._workers.values():
             total += sys.getsizeof(entry.blocks) + sys.getsizeof(entry)
         return total
-
-
-# An OrderedDict keeps a linked-list node per key outside the dict table (key, hash, prev, next).
-_ODICT_NODE_BYTES = 48
 
 
 def _is_zero(mask: int) -> bool:
