@@ -274,10 +274,11 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
         workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if "#KVWorker#" in a["name"]]
         assert len(workers) == 2
+        handles = {name: ray.get_actor(name, namespace="serve") for name in workers}  # before the load
 
         def one(i):
             return post(cluster, "/v1/completions", {
-                "model": MODEL, "prompt": f"request number {i} " * 10, "max_tokens": 32,
+                "model": MODEL, "prompt": f"request number {i} " * 10, "max_tokens": 200,
                 "temperature": 0.5, "seed": i, "ignore_eos": True})
 
         with cf.ThreadPoolExecutor(12) as ex:
@@ -289,11 +290,12 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
                 victim = next((name for name in workers for w in busy if name.endswith("#" + w)), None)
                 time.sleep(0.02)
             assert victim is not None
-            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            ray.kill(handles[victim], no_restart=True)
             results = [f.result() for f in futures]
         assert [r[0] for r in results] == [200] * 24
-        assert all(r[1]["usage"]["completion_tokens"] == 32 for r in results)
-        assert metrics(cluster)[f'kvmesh_request_retries_total{{model="{MODEL}"}}'] >= 1
+        assert all(r[1]["usage"]["completion_tokens"] == 200 for r in results)
+        retries = metrics(cluster)[f'kvmesh_request_retries_total{{model="{MODEL}"}}']
+        assert retries >= 1, (victim, busy)
         # the cluster goes on: the next request is served
         assert post(cluster, "/v1/completions", {"model": MODEL, "prompt": "after", "max_tokens": 2})[0] == 200
     finally:
