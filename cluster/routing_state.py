@@ -8,6 +8,7 @@ older batches still in the stream are skipped instead of being mistaken for a ga
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from kvmesh.cluster.event_log import PollResult, WorkerGone
@@ -115,10 +116,27 @@ class RoutingState:
             if self.recent is not None and ranked:
                 ranked = self._prefer_recent(ranked, block_hashes)
                 self.recent.record(block_hashes, ranked[0])
+            if ranked:
+                self._count_routed(ranked[0], block_hashes, num_prompt_tokens)
         candidate_set = set(candidates)
         order = [w for w in ranked if w in candidate_set]
         seen = set(order)
         return order + [w for w in candidates if w not in seen]
+
+    def _count_routed(self, worker_id: str, block_hashes: list[int], num_prompt_tokens: int) -> None:
+        """Add the request to the worker's load as this copy sees it, until the worker's next report
+        (which then includes it): a burst routed between two reports is spread by load instead of
+        all landing on the worker that looked idlest at the last report."""
+        state = self.router.worker_state(worker_id)
+        if state is None:
+            return
+        with self.router._lock:
+            cached = self.router.index.overlap(block_hashes, [worker_id]).get(worker_id, 0)
+        new_tokens = max(1, num_prompt_tokens - cached * self.block_size)
+        load = state.load
+        self.router.update_load(dataclasses.replace(
+            load, waiting=load.waiting + 1,
+            waiting_prefill_tokens=load.waiting_prefill_tokens + new_tokens))
 
     def _prefer_recent(self, ranked: list[str], block_hashes: list[int]) -> list[str]:
         """Move to the front a worker that was just sent this prefix, when the index does not show

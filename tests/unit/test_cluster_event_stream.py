@@ -89,8 +89,19 @@ def test_a_just_routed_prefix_goes_to_the_same_worker_before_its_events_arrive()
     state = RoutingState("kv_events", 16, cap=8)
     prompt = list(range(100, 120))
     first = state.rank(prompt, 330, None, ["a", "b"])[0]
+    # the worker reports the first request prefilled (running) before its KV events arrive
+    state.router.update_load(WorkerLoad(first, running=1, running_decode_tokens=331,
+                                        kv_free_blocks=80, kv_total_blocks=100))
     second = state.rank(prompt[:18] + [7, 8], 330, None, ["a", "b"])[0]
     assert second == first
+
+
+def test_a_burst_between_load_reports_is_spread_by_the_load_it_adds():
+    state = RoutingState("kv_events", 16, cap=8)
+    for w in ("a", "b"):
+        state.router.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100))
+    picks = [state.rank([1000 + i], 300, None, ["a", "b"])[0] for i in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
 
 
 def test_recent_routes_expire_and_stop_at_a_different_worker():
