@@ -35,7 +35,10 @@ def worker_options(cfg: ServeConfig) -> dict:
             request_router_class=ROUTER_CLASS,
             request_router_kwargs={
                 "app_name": cfg.app_name, "policy": cfg.routing.policy,
-                "block_size": cfg.engine.block_size, "cap": r.max_ongoing_requests,
+                # No cap in the kvmesh router: Serve enforces max_ongoing_requests exactly (a full
+                # replica rejects and the next rank is tried), while the router's loads lag a
+                # report behind and would call an idle worker full.
+                "block_size": cfg.engine.block_size, "cap": None,
                 "temperature": cfg.routing.temperature,
                 "poll_timeout_s": cfg.routing.event_poll_timeout_s},
             request_routing_stats_period_s=1.0),

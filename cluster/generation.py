@@ -30,6 +30,12 @@ _WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErr
 OVERLOAD_RETRY_AFTER_S = 1
 
 
+def overloaded() -> ApiError:
+    return ApiError(503, "the server is overloaded: every worker replica is at its limit of "
+                    "queued requests; retry later", type="server_error", code="overloaded",
+                    retry_after_s=OVERLOAD_RETRY_AFTER_S)
+
+
 def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:
     return TokenDelta(routed.request_id, [], "", finish_reason="error", error=message,
                       num_prompt_tokens=routed.num_prompt_tokens, arrival_time=routed.arrival_time)
@@ -42,8 +48,9 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
         routed.attempt = attempt
         produced = False
         finished = False
-        response = handle.options(stream=True).generate.remote(routed)
+        response = None
         try:
+            response = handle.options(stream=True).generate.remote(routed)
             async for delta in response:
                 produced = produced or bool(delta.token_ids)
                 finished = delta.finished
@@ -54,9 +61,7 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
             finished = True
             return
         except BackPressureError:
-            raise ApiError(503, "the server is overloaded: every worker replica is at its limit "
-                           "of queued requests; retry later", type="server_error",
-                           code="overloaded", retry_after_s=OVERLOAD_RETRY_AFTER_S) from None
+            raise overloaded() from None
         except _WORKER_GONE as e:
             last_error = e
             logger.warning("kvmesh: worker died during request %s (attempt %d, tokens=%s): %r",
@@ -68,7 +73,7 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
             if produced:
                 yield RESTART
         finally:
-            if not finished:
+            if not finished and response is not None:
                 response.cancel()
     yield _error_delta(routed, f"no worker could serve the request after {MAX_ATTEMPTS} attempts: "
                                f"{type(last_error).__name__}")

@@ -6,16 +6,18 @@ router (request_router.py). Errors are OpenAI's error JSON with the right status
 disconnects cancels its stream, which aborts the request on the worker.
 """
 
+import asyncio
 import json
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.generation import collect, run_request
+from kvmesh.cluster.generation import collect, overloaded, run_request
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
@@ -37,6 +39,15 @@ class Ingress(GrpcService):
         self.config = parse_config(config)
         self.frontend = Frontend(self.config, workers)
         self.hub = get_or_create_hub(self.config.app_name)
+        # The first handle call creates this replica's router copy: make it now, so the copy has
+        # consumed the KV event stream before the first real request.
+        asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self):
+        try:
+            await self.frontend.model_info()
+        except Exception:  # no worker yet: the first request will ask again
+            pass
 
     # ---- HTTP: info ----------------------------------------------------------------------------
 
@@ -97,6 +108,10 @@ class Ingress(GrpcService):
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 return await self._stream(routed, shaper, include_usage, param)
             return await self._whole(routed, shaper, param)
+        except BackPressureError:  # raised where the handle call is made, not where it is read
+            e = overloaded()
+            self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
+            return _error_response(e)
         except ApiError as e:
             self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
             return _error_response(e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -25,9 +26,18 @@ logger = logging.getLogger("kvmesh.cluster")
 # The copies in this process, so the ingress can read loads and stats for /metrics without
 # another poll of the hub (one process normally holds one copy).
 ROUTER_COPIES: list["KVAwareRequestRouter"] = []
+SYNC_WAIT_S = 2.0
+DEBUG = os.environ.get("KVMESH_DEBUG_ROUTING") == "1"
 
 
 class KVAwareRequestRouter(RequestRouter):
+    # Serve asks the ranked replica for its queue length before sending; if no answer comes
+    # within the deadline it moves on to the next rank. Serve's 0.1 s default sent cache hits to
+    # the wrong worker whenever the right one's event loop was busy for a moment (a 2-core box):
+    # the wait for the right worker is cheaper than recomputing the prefix elsewhere.
+    queue_len_response_deadline_s = 0.5
+    max_queue_len_response_deadline_s = 2.0
+
     def initialize_state(self, app_name: str = "kvmesh", policy: str = "kv_events",
                          block_size: int = 16, cap: int | None = None, temperature: float = 0.0,
                          poll_timeout_s: float = 1.0):
@@ -35,6 +45,7 @@ class KVAwareRequestRouter(RequestRouter):
         self.poll_timeout_s = poll_timeout_s
         self.state = RoutingState(policy, block_size, cap=cap, temperature=temperature)
         self.hub = get_or_create_hub(app_name)
+        self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied
         self._consumer = asyncio.get_running_loop().create_task(self._consume_events())
         ROUTER_COPIES.append(self)
 
@@ -47,6 +58,7 @@ class KVAwareRequestRouter(RequestRouter):
                     snap = await self.hub.snapshot.remote(worker_id)
                     if snap is not None:
                         self.state.apply_snapshot(snap)
+                self._synced.set()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the hub restarted or is unreachable: retry, resync follows
@@ -64,9 +76,21 @@ class KVAwareRequestRouter(RequestRouter):
             routed = first if isinstance(first, RoutedRequest) else None
         if routed is None:  # control calls (model_info, load): any replica
             return [candidate_replicas]
+        if not self._synced.is_set():
+            # A new copy (a new ingress replica, or its first request) routes from the cluster's
+            # caches, not from an empty index: wait for its first snapshot, briefly.
+            try:
+                await asyncio.wait_for(self._synced.wait(), SYNC_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = self.state.rank(routed.block_hashes, routed.num_prompt_tokens,
                                 routed.session_key, list(by_id))
+        if DEBUG:
+            logger.warning("kvmesh route %s: %s synced=%s cursor=%s overlap=%s loads=%s",
+                           routed.request_id, order, self._synced.is_set(), self.state.cursor,
+                           self.state.router.index.overlap(routed.block_hashes),
+                           {w: (l.running, l.waiting, l.waiting_prefill_tokens) for w, l in self.state.loads.items()})
         return [[by_id[w]] for w in order]
 
     def update_replicas(self, replicas: list[RunningReplica]):

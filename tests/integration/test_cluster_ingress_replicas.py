@@ -1,0 +1,77 @@
+"""Two ingress replicas (two router copies) in front of two CPU workers with small request limits:
+every copy routes a shared prefix to the worker holding it, and an overload is answered with 503
+and Retry-After instead of waiting without bound."""
+
+import concurrent.futures as cf
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from kvmesh.cluster.local import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "two_ingress.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": MODEL,
+        "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 2, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 2,
+                     "max_queued_requests": 1},
+        "routing": {"policy": "kv_events", "ingress_replicas": 2},
+    }))
+    with LocalCluster([], config=str(config)) as c:
+        yield c
+
+
+def post(cluster, body, timeout=120):
+    req = urllib.request.Request(cluster.http_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.load(resp), resp.headers
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw), e.headers
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}, e.headers
+
+
+def test_every_router_copy_sends_a_cached_prefix_to_its_worker(cluster):
+    prefix = "Shared instructions for every ingress replica to see. " * 8
+    status, first, _ = post(cluster, {"model": MODEL, "prompt": prefix + "first", "max_tokens": 2})
+    assert status == 200
+    cached = []
+    for i in range(8):  # Serve's proxy spreads these over both ingress replicas
+        status, body, _ = post(cluster, {"model": MODEL, "prompt": prefix + f"again {i}",
+                                         "max_tokens": 2})
+        assert status == 200
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert min(cached) >= 16 * (len(prefix) // 16 - 1), cached
+
+
+def test_an_overload_gets_503_with_retry_after_and_the_rest_are_served(cluster):
+    def one(i):
+        return post(cluster, {"model": MODEL, "prompt": f"overload {i}", "max_tokens": 300,
+                              "ignore_eos": True, "temperature": 0})
+
+    with cf.ThreadPoolExecutor(24) as ex:
+        results = list(ex.map(one, range(24)))
+    statuses = [r[0] for r in results]
+    assert set(statuses) <= {200, 503}
+    assert statuses.count(200) >= 4 and statuses.count(503) >= 1, statuses
+    for status, body, headers in results:
+        if status == 503:
+            assert "error" in body, body
+            assert body["error"]["code"] == "overloaded"
+            assert int(headers["Retry-After"]) >= 1
+    # and it keeps serving
+    assert post(cluster, {"model": MODEL, "prompt": "after the storm", "max_tokens": 2})[0] == 200
