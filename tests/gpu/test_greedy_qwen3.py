@@ -1,6 +1,8 @@
 """Greedy tokens of a random-weight Qwen3-0.6B-shaped model on the GPU: each fast backend (with its
 CUDA graphs) against the torch backend over 64 tokens. Identical, or diverging only where the torch
-run's top two tokens were a near-tie (the gap is printed and bounded)."""
+run had a near-tie: the token the backend chose is among the torch run's top tokens at that
+position, within NEAR_TIE_NATS of the best (the gap is printed). Random bf16 weights give exact ties
+in the logits often, so more than the top two are kept."""
 
 import gc
 import importlib.util
@@ -14,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 MODEL = "random:qwen3-0.6b"
 NEAR_TIE_NATS = 0.05  # bf16 logits of a 1024-wide model move by ~1e-2 between kernels
+TOP_K = 8
 PROMPTS = [[(17 * i + 3 * j) % 10000 for j in range(n)] for i, n in enumerate((5, 77, 300, 1000))]
 
 
@@ -31,7 +34,7 @@ def generate(backend: str, logprobs: int | None = None):
 
 @pytest.fixture(scope="module")
 def reference():
-    return generate("torch", logprobs=2)
+    return generate("torch", logprobs=TOP_K)
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn"])
@@ -45,9 +48,10 @@ def test_greedy_tokens_match_torch_backend(reference, backend):
         if out.token_ids == ref.token_ids:
             continue
         i = next(j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b)
-        top = sorted(ref.top_logprobs[i].items(), key=lambda kv: -kv[1])
-        gap = top[0][1] - top[1][1]
+        top = ref.top_logprobs[i]  # token id -> logprob in the torch run
+        best = max(top.values())
+        gap = best - top.get(out.token_ids[i], float("-inf"))
         print(f"{backend}: prompt {prompt_index} diverges at token {i}: torch {ref.token_ids[i]} "
-              f"vs {out.token_ids[i]}; torch's top-2 logprob gap {gap:.4f}")
-        assert out.token_ids[i] == top[1][0] and gap < NEAR_TIE_NATS, (
+              f"vs {out.token_ids[i]}; logprob gap in the torch run {gap:.4f}")
+        assert gap < NEAR_TIE_NATS, (
             f"{backend}: prompt {prompt_index} diverges at token {i} without a near-tie (gap {gap:.4f})")
