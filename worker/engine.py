@@ -40,7 +40,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
                                   self.device, self.dtype, config.attention_backend, config.seed,
-                                  self.max_model_len)
+                                  self.max_model_len, enforce_eager=config.enforce_eager,
+                                  max_num_seqs=config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._finished_out: list[TokenDelta] = []  # deltas of aborted/failed requests, returned by the next step
         self.epoch = random.SystemRandom().getrandbits(62)
