@@ -20,6 +20,11 @@ from kvmesh.cluster.local import LocalCluster
 
 pytestmark = pytest.mark.slow
 
+# The kill test joins the cluster's Ray as a driver: keep it on loopback, auth off (set before
+# anything imports ray).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 MODEL = "random:tiny-llama"
 SEED = 1234
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
@@ -265,11 +270,12 @@ def test_metrics_export_the_contract_names(cluster):
 
 
 def test_killing_a_replica_during_a_load_loses_no_request(cluster):
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    ray.init(address=cluster.ray_address, namespace="serve", logging_level="ERROR")
+    # This driver joins the cluster on loopback too (Ray may have been imported by another module
+    # already, so the address is given explicitly rather than through the environment alone).
+    ray.init(address=cluster.ray_address, namespace="serve", logging_level="ERROR",
+             _node_ip_address="127.0.0.1")
     try:
         workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if "#KVWorker#" in a["name"]]
