@@ -25,6 +25,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
+    # Launch step N+1 before step N's tokens reach the host (the GPU never waits on Python).
+    # None: on for CUDA, off on the CPU (where launches are synchronous and it only adds latency).
+    async_scheduling: bool | None = None
     seed: int = 0
     worker_id: str = "worker-0"
     max_num_preemptions_logged: int = 0

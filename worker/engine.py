@@ -37,12 +37,16 @@ class Engine:
         self.hash_salt = model_salt(self.model_name)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
                                   self.device, self.dtype, config.attention_backend, config.seed,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs)
         self.requests: dict[str, Request] = {}
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._in_flight = None  # (SchedulerOutput, PendingSample | None) launched, not yet processed
         self._finished_out: list[TokenDelta] = []  # deltas of aborted/failed requests, returned by the next step
         self.epoch = random.SystemRandom().getrandbits(62)
         self._next_seq = 0
@@ -121,38 +125,68 @@ class Engine:
         self._finished_out.append(self._delta(req, [], None))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._finished_out)
+        return self.scheduler.has_unfinished() or bool(self._finished_out) or self._in_flight is not None
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
+        """Schedule -> execute -> update. With async scheduling, step N is launched before step
+        N-1's sampled tokens are processed on the host (they feed step N on the device), so the
+        host's bookkeeping overlaps the GPU's work; outputs then arrive one call later."""
         deltas, self._finished_out = self._finished_out, []
+        overlap = self.async_scheduling and not any(
+            r.sampling_params.uses_penalties for r in self.scheduler.running)
+        if self._in_flight is not None and not overlap:
+            deltas.extend(self._process(*self._in_flight))
+            self._in_flight = None
         output = self.scheduler.schedule()
         self.last_step_time = time.monotonic()
-        if output.is_empty:
+        launched = None
+        if not output.is_empty:
+            previous_samples = self._in_flight[1] if self._in_flight is not None else None
+            launched = self.runner.execute(output, previous_samples)
+            self.scheduler.advance(output)
+            self.num_steps += 1
+            if launched is not None:
+                for row, req in enumerate(launched.requests):
+                    req.append_placeholder(row)
+        previous = self._in_flight
+        self._in_flight = None if output.is_empty else (output, launched)
+        if previous is not None:
+            deltas.extend(self._process(*previous))
+        if self._in_flight is not None and not overlap:
+            deltas.extend(self._process(*self._in_flight))
+            self._in_flight = None
+        if output.is_empty and previous is None:
             deltas.extend(self._fail_unschedulable())
-            return deltas
-        result = self.runner.execute(output)
-        self.scheduler.update(output, {})
-        self.num_steps += 1
-        if result is None:
-            return deltas
-        now = time.time()
-        sampled = [e.request for e in output.scheduled if e.samples]
-        for i, req in enumerate(sampled):
-            token = result.token_ids[i]
-            req.append_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            logprob = None
-            if result.logprobs is not None:
-                logprob = result.logprobs[i]
-                req.logprobs.append(logprob)
-                req.top_logprobs.append(result.top_logprobs[i])
-            finish = self._check_finish(req, token)
-            if finish is not None:
-                self._finish(req, finish)
-            deltas.append(self._delta(req, [token], logprob, result.top_logprobs[i]))
+        return deltas
+
+    def _process(self, output, samples) -> list[TokenDelta]:
+        """Apply a launched step's results: resolve sampled tokens, cache full blocks, finish."""
+        deltas = []
+        if samples is not None:
+            result = samples.result()
+            now = time.time()
+            for i, req in enumerate(samples.requests):
+                if req.is_finished:
+                    continue  # aborted, or ended by an earlier token while this one was in flight
+                token = result.token_ids[i]
+                req.resolve_placeholder(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                logprob = top = None
+                if result.logprobs is not None:
+                    logprob, top = result.logprobs[i], result.top_logprobs[i]
+                    req.logprobs.append(logprob)
+                    req.top_logprobs.append(top)
+                self.scheduler.cache_computed_blocks(req)
+                finish = self._check_finish(req, token)
+                if finish is not None:
+                    self._finish(req, finish)
+                deltas.append(self._delta(req, [token], logprob, top))
+        for entry in output.scheduled:
+            if not entry.samples:
+                self.scheduler.cache_computed_blocks(entry.request)
         return deltas
 
     def _check_finish(self, req: Request, token: int) -> str | None:
@@ -166,11 +200,13 @@ class Engine:
         if stop is not None:
             req.stop_reason = stop
             return "stop"
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        num_tokens = req.num_tokens - req.num_pending
+        if req.num_resolved_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
+        req.drop_placeholders()
         req.finish_reason = reason
         req.finish_time = time.time()
         self.scheduler.finish(req)
@@ -194,7 +230,7 @@ class Engine:
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_resolved_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
             first_token_time=req.first_token_time, arrival_time=req.arrival_time)

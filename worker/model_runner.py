@@ -9,8 +9,9 @@ import torch
 from kvmesh.worker.attention import select_backend
 from kvmesh.worker.attention.base import AttentionMetadata, ForwardContext, forward_context
 from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
+from kvmesh.worker.host_to_device import to_device
 from kvmesh.worker.model_config import ModelConfig
-from kvmesh.worker.sampler import SampleResult, Sampler
+from kvmesh.worker.sampler import PendingSample, Sampler
 from kvmesh.worker.scheduler import SchedulerOutput
 
 
@@ -71,21 +72,28 @@ class ModelRunner:
         num_decode_tokens = sum(1 for q, x in zip(query_lens, samples) if q == 1 and x)
         dev = self.device
         metadata = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=to_device(query_start_loc, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(table, torch.int32, dev),
+            slot_mapping=to_device(slot_mapping, torch.int64, dev),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             num_decode_tokens=num_decode_tokens)
-        inputs = (torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-                  torch.from_numpy(positions).to(dev, non_blocking=True))
+        inputs = (to_device(input_ids, torch.long, dev), to_device(positions, torch.long, dev))
         return inputs, metadata, logits_indices
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> SampleResult | None:
-        """Forward the step's tokens; sample one token for each entry that reached its last token."""
+    def execute(self, output: SchedulerOutput, previous: PendingSample | None = None) -> PendingSample | None:
+        """Launch the step's forward and sampling; the sampled tokens stay on the device (with a
+        copy to the host queued). Tokens still in flight from `previous` (placeholders, -1) are read
+        from its device tensor, so this step can be launched before the previous one is done."""
         (input_ids, positions), metadata, logits_indices = self.prepare(output)
+        pending = self._pending_inputs(output)
+        if pending:
+            if previous is None:
+                raise RuntimeError("a step has placeholder tokens but no previous step to read them from")
+            flat, rows = pending
+            input_ids[to_device(flat, torch.long, self.device)] = previous.tokens[to_device(rows, torch.long, self.device)]
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
             hidden = self.graph_runner.run(input_ids, positions, metadata)  # [T, hidden]
         else:
@@ -94,7 +102,22 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)  # [T, hidden]
         if not logits_indices:
             return None
-        index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        index = to_device(logits_indices, torch.long, self.device)
         logits = self.model.compute_logits(hidden[index])  # [N, vocab]
         sampling = [e.request for e in output.scheduled if e.samples]
-        return self.sampler.sample(logits, sampling)
+        return self.sampler.sample_async(logits, sampling)
+
+    @staticmethod
+    def _pending_inputs(output: SchedulerOutput) -> tuple[list[int], list[int]] | None:
+        """(flat token index, row in the previous step's samples) of each placeholder input."""
+        flat, rows = [], []
+        offset = 0
+        for entry in output.scheduled:
+            request = entry.request
+            end = request.num_computed_tokens + entry.num_new_tokens
+            if request.num_pending and end == request.num_tokens:
+                # the placeholder is the last token of the sequence, hence of this chunk
+                flat.append(offset + entry.num_new_tokens - 1)
+                rows.append(request.pending_row)
+            offset += entry.num_new_tokens
+        return (flat, rows) if flat else None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.host_to_device import to_device
 
 
 @dataclass
@@ -38,28 +39,64 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p. logits [N, V] float32 -> [N, V]."""
     device = logits.device
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    temperature = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
     logits = logits / temperature.unsqueeze(1)
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         values = torch.topk(logits, max(top_k), dim=-1).values  # [N, kmax], descending
-        index = torch.tensor([max(k - 1, 0) for k in top_k], device=device).unsqueeze(1)
+        index = to_device([max(k - 1, 0) for k in top_k], torch.long, device).unsqueeze(1)
         kth = values.gather(1, index)
-        kth = torch.where(torch.tensor(top_k, device=device).unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))
+        kth = torch.where(to_device(top_k, torch.long, device).unsqueeze(1) > 0, kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+        top_p = to_device([p.top_p for p in params], torch.float32, device).unsqueeze(1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest set whose mass reaches top_p (the top token is always kept)
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        min_p = to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+class PendingSample:
+    """A step's sampled tokens on their way to the host: the device-to-host copy is queued right
+    after sampling, so waiting for it later does not wait for steps launched after it."""
+
+    def __init__(self, requests, tokens: torch.Tensor, logprobs: torch.Tensor | None,
+                 top_ids: torch.Tensor | None, top_values: torch.Tensor | None):
+        self.requests = requests
+        self.tokens = tokens  # [N] int64 on the device: the next step reads placeholders from it
+        self._host = [_to_host(t) for t in (tokens, logprobs, top_ids, top_values)]
+        self._event = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampleResult:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, logprobs, top_ids, top_values = self._host
+        token_list = tokens.tolist()
+        if logprobs is None:
+            return SampleResult(token_list, None, [None] * len(token_list))
+        tops = []
+        for i, req in enumerate(self.requests):
+            k = req.sampling_params.logprobs or 0
+            tops.append(dict(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else None)
+        return SampleResult(token_list, logprobs.tolist(), tops)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class Sampler:
@@ -69,7 +106,10 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, requests) -> SampleResult:
-        """logits: [N, vocab] for N requests (in order); returns one token per request."""
+        return self.sample_async(logits, requests).result()
+
+    def sample_async(self, logits: torch.Tensor, requests) -> PendingSample:
+        """logits: [N, vocab] for N requests (in order); one token per request, left on the device."""
         logits = logits.float()
         params = [r.sampling_params for r in requests]
         for i, req in enumerate(requests):
@@ -78,32 +118,31 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
+            every_row = len(random_rows) == len(params)
+            rows = None if every_row else to_device(random_rows, torch.long, logits.device)
+            probs = filtered_probs(logits if every_row else logits[rows], [params[i] for i in random_rows])
             noise = torch.empty_like(probs)
             shared = [j for j, i in enumerate(random_rows) if requests[i].generator is None]
-            if shared:
-                noise[shared] = torch.empty((len(shared), probs.shape[1]), device=logits.device).exponential_(
+            if len(shared) == len(random_rows):
+                noise.exponential_(1.0, generator=self.generator)
+            elif shared:
+                noise[to_device(shared, torch.long, logits.device)] = torch.empty((len(shared), probs.shape[1]), device=logits.device).exponential_(
                     1.0, generator=self.generator)
             for j, i in enumerate(random_rows):
                 if requests[i].generator is not None:
                     noise[j].exponential_(1.0, generator=requests[i].generator)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        want_logprobs = [p.logprobs is not None for p in params]
-        if not any(want_logprobs):
-            return SampleResult(tokens.tolist(), None, [None] * len(requests))
+            sampled = (probs / noise).argmax(dim=-1)
+            if every_row:
+                tokens = sampled
+            else:
+                tokens[rows] = sampled
+        if not any(p.logprobs is not None for p in params):
+            return PendingSample(requests, tokens, None, None, None)
         logp = torch.log_softmax(logits, dim=-1)  # of the model's (penalised) distribution
         sampled_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         kmax = max(p.logprobs or 0 for p in params)
-        top_values, top_ids = (torch.topk(logp, kmax, dim=-1) if kmax else (None, None))
-        token_list, logp_list = tokens.tolist(), sampled_logp.tolist()
-        tops = []
-        for i, p in enumerate(params):
-            if p.logprobs:
-                tops.append(dict(zip(top_ids[i, :p.logprobs].tolist(), top_values[i, :p.logprobs].tolist())))
-            else:
-                tops.append(None)
-        return SampleResult(token_list, logp_list, tops)
+        top_values, top_ids = torch.topk(logp, kmax, dim=-1) if kmax else (None, None)
+        return PendingSample(requests, tokens, sampled_logp, top_ids, top_values)
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

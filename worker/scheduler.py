@@ -33,8 +33,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -55,6 +57,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_pending and self._ends_with_pending(request):
+                index += 1  # its token in flight is its last: nothing more to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._allocate(request, num_new):
                 victim = self.running.pop()  # the newest running request
@@ -98,6 +103,10 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1 or not s.samples)  # decodes first (stable)
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
 
+    def _ends_with_pending(self, request: Request) -> bool:
+        return (len(request.output_token_ids) >= request.sampling_params.max_tokens
+                or (self.max_model_len is not None and request.num_tokens >= self.max_model_len))
+
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
 
@@ -120,19 +129,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """After the step ran: advance computed tokens and cache the blocks that became full."""
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step is launched: its tokens count as computed (their K/V is written in stream order
+        before any later step reads it)."""
         for entry in output.scheduled:
-            request = entry.request
-            if request.is_finished:
-                continue
-            request.num_computed_tokens += entry.num_new_tokens
-            num_full = request.num_computed_tokens // self.block_manager.block_size
-            if num_full > request.num_cached_blocks:
-                self.block_manager.cache_blocks(
-                    request.block_ids[:num_full], request.block_hashes[:num_full],
-                    request.all_token_ids, request.num_cached_blocks)
-                request.num_cached_blocks = num_full
+            entry.request.num_computed_tokens += entry.num_new_tokens
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks whose tokens are all known."""
+        if request.is_finished:
+            return
+        num_full = min(request.num_computed_tokens // self.block_manager.block_size, len(request.block_hashes))
+        if num_full > request.num_cached_blocks:
+            self.block_manager.cache_blocks(
+                request.block_ids[:num_full], request.block_hashes[:num_full],
+                request.all_token_ids, request.num_cached_blocks)
+            request.num_cached_blocks = num_full
 
     def finish(self, request: Request) -> None:
         """Remove a request (finished or aborted) and release its blocks."""

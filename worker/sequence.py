@@ -43,6 +43,11 @@ class Request:
         self.top_logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None  # per-request, for seeded sampling
         self.detokenizer = None  # set by the engine
+        # Async scheduling: the token sampled by the step in flight is a placeholder (-1) at the end
+        # of the token lists until its step is processed; pending_row is its row in that step's
+        # sampled tokens, from which the next step reads it on the device.
+        self.num_pending = 0
+        self.pending_row = -1
 
     @property
     def num_tokens(self) -> int:
@@ -57,14 +62,42 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_resolved_output_tokens(self) -> int:
+        return len(self.output_token_ids) - self.num_pending
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        num_full = len(self.all_token_ids) // self.block_size
-        if num_full > len(self.block_hashes):
+        self._hash_full_blocks()
+
+    def append_placeholder(self, row: int) -> None:
+        self.output_token_ids.append(-1)
+        self.all_token_ids.append(-1)
+        self.num_pending += 1
+        self.pending_row = row
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The oldest pending token is now known."""
+        index = len(self.output_token_ids) - self.num_pending
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[self.num_prompt_tokens + index] = token_id
+        self.num_pending -= 1
+        self._hash_full_blocks()
+
+    def drop_placeholders(self) -> None:
+        """A request that finished with tokens still in flight: those tokens are discarded."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            del self.all_token_ids[-self.num_pending:]
+            self.num_pending = 0
+
+    def _hash_full_blocks(self) -> None:
+        known = len(self.all_token_ids) - self.num_pending
+        while (len(self.block_hashes) + 1) * self.block_size <= known:
             parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.salt)
             start = len(self.block_hashes) * self.block_size
             self.block_hashes.append(hash_block(parent, self.all_token_ids[start:start + self.block_size]))

@@ -33,7 +33,7 @@ class StepProbe:
         self.step_seconds += time.perf_counter() - start
         return out
 
-    def _execute(self, output):
+    def _execute(self, output, *args):
         scheduled = output.scheduled
         self.steps.append(([e.num_new_tokens for e in scheduled],
                            [e.request.num_computed_tokens + e.num_new_tokens for e in scheduled],
@@ -42,7 +42,7 @@ class StepProbe:
         ctx = _profiler() if profiling else nullcontext()
         start = time.perf_counter()
         with ctx as prof:
-            result = self._runner_execute(output)
+            result = self._runner_execute(output, *args)
         self.execute_seconds += time.perf_counter() - start
         if profiling:
             self.profile_table = _describe_profile(prof, scheduled)

@@ -30,6 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                   help="launch step N+1 before step N's tokens reach the host (default: on for CUDA)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step of the run (torch.profiler) and print where its time goes")
     p.add_argument("--profile-trace", default=None, help="write the profiled step's Chrome trace here")
@@ -40,7 +43,8 @@ def engine_args(args) -> dict:
     block_size = args.block_size or (256 if args.attention_backend == "flash_attn" else 16)
     return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+                max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                async_scheduling=getattr(args, "async_scheduling", None))
 
 
 def run(args) -> int:
@@ -96,6 +100,7 @@ def run(args) -> int:
     result = {
         "model": args.model, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+        "async_scheduling": engine.async_scheduling,
         "num_prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": output_tokens, "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds,

@@ -13,10 +13,12 @@ def prompts(llm, n=6):
     return [llm.encode(f"prompt number {i} " + "abc " * (i + 2)) for i in range(n)]
 
 
-def test_preemption_with_tiny_pool_gives_same_outputs_as_large_pool():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_with_tiny_pool_gives_same_outputs_as_large_pool(async_scheduling):
     params = SamplingParams(max_tokens=16, temperature=0)
     large = LLM(MODEL, block_size=4)
-    small = LLM(MODEL, block_size=4, kv_cache_memory_bytes=16 * 1024)  # 16 blocks = 64 tokens
+    small = LLM(MODEL, block_size=4, kv_cache_memory_bytes=16 * 1024,  # 16 blocks = 64 tokens
+                async_scheduling=async_scheduling)
     assert small.engine.num_kv_blocks == 16
     ps = prompts(large)
     expected = [o.token_ids for o in large.generate(prompt_token_ids=ps, sampling_params=params)]
@@ -27,8 +29,9 @@ def test_preemption_with_tiny_pool_gives_same_outputs_as_large_pool():
     assert small.engine.block_manager.num_free_blocks == 16  # everything returned
 
 
-def test_seeded_sampling_is_independent_of_the_batch():
-    llm = LLM(MODEL)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_sampling_is_independent_of_the_batch(async_scheduling):
+    llm = LLM(MODEL, async_scheduling=async_scheduling)
     ps = prompts(llm, 4)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
     alone = llm.generate(prompt_token_ids=ps[:1], sampling_params=seeded)[0].token_ids
@@ -40,8 +43,9 @@ def test_seeded_sampling_is_independent_of_the_batch():
     assert other != alone
 
 
-def test_abort_at_any_point_frees_all_blocks():
-    llm = LLM(MODEL, block_size=4, max_num_batched_tokens=8)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_at_any_point_frees_all_blocks(async_scheduling):
+    llm = LLM(MODEL, block_size=4, max_num_batched_tokens=8, async_scheduling=async_scheduling)
     engine = llm.engine
     total = engine.num_kv_blocks
     ids = prompts(llm, 3)

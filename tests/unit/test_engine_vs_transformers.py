@@ -28,6 +28,9 @@ def engine_variants():
         ("batched", dict()),
         ("chunked16", dict(max_num_batched_tokens=16)),
         ("small_blocks_no_cache", dict(block_size=4, enable_prefix_caching=False)),
+        # async scheduling launches each step before the previous step's tokens reach the host
+        ("async_chunked16", dict(max_num_batched_tokens=16, async_scheduling=True)),
+        ("async_small_pool", dict(block_size=4, async_scheduling=True, kv_cache_memory_bytes=1 << 20)),
     ]
 
 

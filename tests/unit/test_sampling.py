@@ -3,6 +3,7 @@ detokenization across token boundaries."""
 
 import math
 
+import pytest
 import torch
 
 from kvmesh import SamplingParams
@@ -103,10 +104,11 @@ def test_held_back_text_is_released_when_it_cannot_match():
     assert "".join(deltas) + detok.take_delta(final=True) == "a STOw"
 
 
-def test_engine_stop_strings_and_stop_token_ids():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_stop_strings_and_stop_token_ids(async_scheduling):
     from kvmesh import LLM
 
-    llm = LLM("random:tiny-llama")
+    llm = LLM("random:tiny-llama", async_scheduling=async_scheduling)
     free = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=24, temperature=0))[0]
     assert len(free.token_ids) == 24
     # stop on the 6th generated token id
@@ -123,10 +125,11 @@ def test_engine_stop_strings_and_stop_token_ids():
     assert out.finish_reason == "stop" and out.text == text[:text.index(needle)]
 
 
-def test_logprobs_of_sampled_tokens():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_of_sampled_tokens(async_scheduling):
     from kvmesh import LLM
 
-    llm = LLM("random:tiny-qwen3")
+    llm = LLM("random:tiny-qwen3", async_scheduling=async_scheduling)
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(
         max_tokens=5, temperature=0, logprobs=3))[0]
     assert len(out.logprobs) == 5 and all(lp <= 0 for lp in out.logprobs)
