@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 def grpc_stream(target: str, prompt: str | None = None, messages: list[dict] | None = None,
                 max_tokens: int = 16, temperature: float | None = None, seed: int | None = None,
-                request_id: str = "", timeout_s: float = 300.0, **fields) -> Iterator:
+                request_id: str = "", timeout_s: float = 300.0, api_key: str | None = None,
+                **fields) -> Iterator:
     """Yields kvmesh.v1.GenerateResponse messages (the last one has finish_reason and usage)."""
     import grpc
 
@@ -33,10 +34,15 @@ def grpc_stream(target: str, prompt: str | None = None, messages: list[dict] | N
         req.seed = seed
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        yield from stub.Generate(req, timeout=timeout_s)
+        yield from stub.Generate(req, timeout=timeout_s, metadata=_key_metadata(api_key))
 
 
-def grpc_call(target: str, method: str, request=None, timeout_s: float = 30.0):
+def _key_metadata(api_key: str | None) -> list[tuple[str, str]] | None:
+    return [("authorization", f"Bearer {api_key}")] if api_key else None
+
+
+def grpc_call(target: str, method: str, request=None, timeout_s: float = 30.0,
+              api_key: str | None = None):
     """One unary RPC (Health, ListModels, Abort) by name."""
     import grpc
 
@@ -47,7 +53,7 @@ def grpc_call(target: str, method: str, request=None, timeout_s: float = 30.0):
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         return getattr(stub, method)(request if request is not None else default[method](),
-                                     timeout=timeout_s)
+                                     timeout=timeout_s, metadata=_key_metadata(api_key))
 
 
 def http_stream(base_url: str, prompt: str | None = None, messages: list[dict] | None = None,

@@ -31,7 +31,7 @@ OVERLOAD_RETRY_AFTER_S = 1
 
 
 def overloaded() -> ApiError:
-    return ApiError(503, "the server is overloaded: every worker replica is at its limit of "
+    return ApiError(429, "the server is overloaded: every worker replica is at its limit of "
                     "queued requests; retry later", type="server_error", code="overloaded",
                     retry_after_s=OVERLOAD_RETRY_AFTER_S)
 
@@ -74,7 +74,10 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
                 yield RESTART
         finally:
             if not finished and response is not None:
-                response.cancel()
+                try:
+                    response.cancel()
+                except Exception:  # cancel() re-raises a failed call's error (BackPressureError)
+                    pass           # over the ApiError being raised: keep ours
     yield _error_delta(routed, f"no worker could serve the request after {MAX_ATTEMPTS} attempts: "
                                f"{type(last_error).__name__}")
 

@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from kvmesh.cluster.auth import UNAUTHORIZED_MESSAGE
 from kvmesh.cluster.generation import run_request
 from kvmesh.cluster.openai_protocol import ApiError, new_id
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -28,12 +29,20 @@ def _grpc_error(e: ApiError, grpc_context) -> Exception:
     """Serve's gRPC proxy answers with the status code set on grpc_context before the raise."""
     if grpc_context is not None:
         grpc_context.set_code(_STATUS.get(e.status, grpc.StatusCode.INTERNAL))
-        grpc_context.set_details(e.message)
+        # Serve's gRPC proxy drops trailing metadata on errors: the retry hint goes in the details.
+        retry = f" (retry-after: {int(e.retry_after_s)} s)" if e.retry_after_s else ""
+        grpc_context.set_details(e.message + retry)
     return RuntimeError(e.message)
 
 
-def sampling_from_proto(req: pb.GenerateRequest) -> SamplingParams:
-    kwargs = {"max_tokens": req.max_tokens if req.HasField("max_tokens") else 16,
+def _check_key(service, endpoint: str, grpc_context) -> None:
+    if not service.api_keys.allows_grpc(endpoint, grpc_context):
+        raise _grpc_error(ApiError(401, UNAUTHORIZED_MESSAGE, type="authentication_error",
+                                   code="invalid_api_key"), grpc_context)
+
+
+def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -> SamplingParams:
+    kwargs = {"max_tokens": req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
               "stop": list(req.stop), "ignore_eos": req.ignore_eos}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if req.HasField(name):
@@ -53,6 +62,7 @@ class GrpcService:
         arrival = time.time()
         if not hasattr(self, "_active"):
             self._active = {}
+        _check_key(self, "api", grpc_context)
         try:
             routed = await self._grpc_routed(request, arrival)
         except ApiError as e:
@@ -78,6 +88,9 @@ class GrpcService:
                     delta = step.result()
                 except StopAsyncIteration:
                     return
+                except ApiError as e:  # overloaded: every replica and queue full
+                    self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
+                    raise _grpc_error(e, grpc_context) from None
                 if last is None and delta.finish_reason == "error" and not delta.token_ids:
                     raise _grpc_error(self.frontend.worker_error(delta, "prompt"), grpc_context)
                 last = delta
@@ -110,8 +123,12 @@ class GrpcService:
             prompt_ids, param = fe.encode_text(request.prompt), "prompt"
         else:
             prompt_ids, param = list(request.prompt_token_ids), "prompt_token_ids"
+        self.limits.check_prompt(len(prompt_ids), param)
         info = await fe.check_prompt(prompt_ids, param)
-        params = sampling_from_proto(request)
+        budget = self.limits.output_budget(
+            request.max_tokens if request.HasField("max_tokens") else None,
+            info.max_model_len - len(prompt_ids), "max_tokens")
+        params = sampling_from_proto(request, default_max_tokens=min(16, budget))
         if params.max_tokens > info.max_model_len - len(prompt_ids):
             raise ApiError(400, f"max_tokens is {params.max_tokens} but only "
                            f"{info.max_model_len - len(prompt_ids)} tokens of context are left",
@@ -119,19 +136,22 @@ class GrpcService:
         return fe.routed_request(prompt_ids, params, info, request.session_id or None,
                                  request_id=request.request_id or new_id("req"), arrival=arrival)
 
-    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
+        _check_key(self, "api", grpc_context)
         event = getattr(self, "_active", {}).get(request.request_id)
         if event is not None:
             event.set()
         return pb.AbortResponse(found=event is not None)
 
-    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
+    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        _check_key(self, "health", grpc_context)
         loads, _ = await self.hub.loads.remote()
         healthy = [w for w, load in loads.items() if load.healthy]
         return pb.HealthResponse(healthy=bool(healthy), num_workers=len(healthy),
                                  model=self.frontend.model_name)
 
-    async def ListModels(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+        _check_key(self, "api", grpc_context)
         info = await self.frontend.model_info()
         return pb.ListModelsResponse(models=[pb.Model(id=self.frontend.model_name,
                                                       max_model_len=info.max_model_len,

@@ -15,10 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from kvmesh.cluster.auth import UNAUTHORIZED_MESSAGE, ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.generation import collect, overloaded, run_request
 from kvmesh.cluster.grpc_service import GrpcService
+from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params)
@@ -39,6 +41,8 @@ class Ingress(GrpcService):
         self.config = parse_config(config)
         self.frontend = Frontend(self.config, workers)
         self.hub = get_or_create_hub(self.config.app_name)
+        self.api_keys = ApiKeys.from_server_config(self.config.server)
+        self.limits = RequestLimits(self.config.limits)
         # The first handle call creates this replica's router copy: make it now, so the copy has
         # consumed the KV event stream before the first real request.
         asyncio.get_running_loop().create_task(self._warm_up())
@@ -52,7 +56,9 @@ class Ingress(GrpcService):
     # ---- HTTP: info ----------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health(self):
+    async def health(self, request: Request):
+        if (denied := self._auth(request, "health")) is not None:
+            return denied
         loads, _ = await self.hub.loads.remote()
         healthy = [w for w, load in loads.items() if load.healthy]
         body = {"status": "ok" if healthy else "no_workers", "workers": len(healthy)}
@@ -68,7 +74,9 @@ class Ingress(GrpcService):
             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        if (denied := self._auth(request, "metrics")) is not None:
+            return denied
         loads, stats = await self.hub.loads.remote()
         return Response(self.frontend.metrics.render(loads, stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -90,15 +98,19 @@ class Ingress(GrpcService):
         routed = None
         try:
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await self.limits.read_body(request))
             except ValueError as e:
                 raise ApiError(400, f"the request body is not valid JSON: {e}") from None
             cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(body, cls)
             self.frontend.check_model(req.model)
             prompt_ids, param = self._prompt_ids(req, kind)
+            self.limits.check_prompt(len(prompt_ids), param)
             info = await self.frontend.check_prompt(prompt_ids, param)
-            params = sampling_params(req, info.max_model_len - len(prompt_ids))
+            max_param = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
+                         is not None else "max_tokens")
+            params = sampling_params(req, self.limits.output_budget(
+                getattr(req, max_param), info.max_model_len - len(prompt_ids), max_param))
             session = request.headers.get(self.config.routing.session_header) or req.user
             routed = self.frontend.routed_request(prompt_ids, params, info, session, arrival=arrival)
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
@@ -184,13 +196,10 @@ class Ingress(GrpcService):
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def _auth(self, request: Request) -> JSONResponse | None:
-        keys = self.config.server.api_keys
-        if not keys:
+    def _auth(self, request: Request, endpoint: str = "api") -> JSONResponse | None:
+        if self.api_keys.allows(endpoint, request.headers.get("authorization")):
             return None
-        header = request.headers.get("authorization", "")
-        if header.startswith("Bearer ") and header[len("Bearer "):] in keys:
-            return None
-        return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)",
-                                       "authentication_error", None, "invalid_api_key"),
-                            status_code=401)
+        self.frontend.metrics.observe_status(self.frontend.model_name, 401)
+        return JSONResponse(error_body(UNAUTHORIZED_MESSAGE, "authentication_error", None,
+                                       "invalid_api_key"),
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})

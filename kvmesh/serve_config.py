@@ -51,7 +51,7 @@ class ReplicasSection(_Strict):
     num_gpus: float = Field(1, ge=0, description="GPUs per worker replica (0 on a CPU-only cluster).")
     num_cpus: float = Field(1, ge=0, description="CPUs reserved per worker replica.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica accepts at once; the router spills over to the next replica beyond it.")
-    max_queued_requests: int = Field(1024, ge=-1, description="Requests an ingress may hold waiting for a free worker slot; beyond it new requests get 503 with Retry-After (-1 = no limit).")
+    max_queued_requests: int = Field(1024, ge=-1, description="Requests an ingress may hold waiting for a free worker slot; beyond it new requests get 429 with Retry-After (-1 = no limit).")
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources per worker replica (e.g. {accelerator_type:H200: 0.001}).")
 
 
@@ -96,7 +96,17 @@ class ServerSection(_Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 to accept remote clients).")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (kvmesh.v1.Generation); 0 disables gRPC.")
-    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication.")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication (the KVMESH_API_KEYS environment variable of the ingress adds more, e.g. from a Kubernetes Secret).")
+    auth_health: bool = Field(False, description="With API keys set, /health and gRPC Health need a key too (off: open to load balancers).")
+    auth_metrics: bool = Field(False, description="With API keys set, /metrics needs a key too (off: open to Prometheus).")
+
+
+class LimitsSection(_Strict):
+    """Per-request limits the ingress enforces before a request reaches a worker (see cluster/limits.py)."""
+
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens; null = the model's max_model_len minus 1.")
+    max_output_tokens: int | None = Field(None, ge=1, description="Largest max_tokens a request may ask for, and the default when it asks for none; null = the context left after the prompt.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest HTTP request body in bytes; beyond it 413.")
 
 
 class ServeConfig(_Strict):
@@ -108,6 +118,7 @@ class ServeConfig(_Strict):
     routing: RoutingSection = Field(default_factory=RoutingSection, description="Request routing policy.")
     autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection, description="Worker autoscaling.")
     server: ServerSection = Field(default_factory=ServerSection, description="HTTP / gRPC listeners.")
+    limits: LimitsSection = Field(default_factory=LimitsSection, description="Per-request limits (prompt, output, body size).")
     app_name: str = Field("kvmesh", min_length=1, description="Serve application name (also names the KV event hub actor).")
     route_prefix: str = Field("/", description="HTTP route prefix of the application.")
 

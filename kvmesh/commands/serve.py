@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     p.add_argument("--http-port", type=int, help="OpenAI HTTP port (server.http_port)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (server.grpc_port; 0 = off)")
     p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this bearer token (repeat for several; adds to server.api_keys; "
+                        "the KVMESH_API_KEYS environment variable of the ingress adds more)")
     p.add_argument("--emit-serve-config", nargs="?", const="-", metavar="PATH",
                    help="write the equivalent Serve config (for `serve deploy`) to PATH or stdout "
                         "and exit")
@@ -37,11 +40,13 @@ def register(subparsers) -> None:
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--temperature", type=float, default=None)
     c.add_argument("--seed", type=int, default=None)
-    c.add_argument("--api-key", default=None)
+    c.add_argument("--api-key", default=None,
+                   help="bearer token to send (default: $KVMESH_API_KEY)")
     c.set_defaults(handler=run_client)
 
     s = subparsers.add_parser("status", help="health, model and workers of a running cluster")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the HTTP API")
+    s.add_argument("--api-key", default=None, help="bearer token to send (default: $KVMESH_API_KEY)")
     s.set_defaults(handler=run_status)
 
 
@@ -65,6 +70,9 @@ def load_with_overrides(args):
         cfg["server"]["http_port"] = args.http_port
     if args.grpc_port is not None:
         cfg["server"]["grpc_port"] = args.grpc_port
+    for key in getattr(args, "api_key", None) or []:
+        if key not in cfg["server"]["api_keys"]:
+            cfg["server"]["api_keys"].append(key)
     return parse_config(cfg)
 
 
@@ -92,13 +100,16 @@ def run_serve(args) -> int:
 def run_client(args) -> int:
     from kvmesh.cluster.client import grpc_stream, http_stream
 
+    import os
+
+    api_key = args.api_key or os.environ.get("KVMESH_API_KEY")
     messages = None if args.raw else [{"role": "user", "content": args.prompt}]
     prompt = args.prompt if args.raw else None
     finish, usage = None, None
     if args.grpc:
         for msg in grpc_stream(args.target, prompt=prompt, messages=messages,
                                max_tokens=args.max_tokens, temperature=args.temperature,
-                               seed=args.seed):
+                               seed=args.seed, api_key=api_key):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             if msg.finish_reason:
@@ -109,7 +120,7 @@ def run_client(args) -> int:
     else:
         for chunk in http_stream(args.url, prompt=prompt, messages=messages,
                                  max_tokens=args.max_tokens, temperature=args.temperature,
-                                 seed=args.seed, api_key=args.api_key):
+                                 seed=args.seed, api_key=api_key):
             for choice in chunk.get("choices", []):
                 text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
                 sys.stdout.write(text or "")
@@ -129,15 +140,21 @@ def run_status(args) -> int:
     import urllib.error
     import urllib.request
 
+    import os
+
     base = args.url.rstrip("/")
+    api_key = args.api_key or os.environ.get("KVMESH_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(base + "/health", headers=headers),
+                                    timeout=10) as r:
             health = json.load(r)
     except urllib.error.HTTPError as e:
         health = json.load(e)
     except OSError as e:
         raise ValueError(f"cannot reach {base}: {e}") from None
-    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+    with urllib.request.urlopen(urllib.request.Request(base + "/v1/models", headers=headers),
+                                timeout=10) as r:
         models = json.load(r)["data"]
     print(f"status: {health['status']}  workers: {health['workers']}")
     for m in models:

@@ -168,9 +168,12 @@ One worker group spec. Called with a dict: root (the chart context), name, group
               {{- if $group.gpusPerPod }}
               nvidia.com/gpu: {{ $group.gpusPerPod }}
               {{- end }}
-          {{- with $group.env }}
+          {{- if or $group.env $root.Values.apiKeysSecret.name }}
           env:
+            {{- include "kvmesh.apiKeysEnv" $root | nindent 12 }}
+            {{- with $group.env }}
             {{- toYaml . | nindent 12 }}
+            {{- end }}
           {{- end }}
           {{- with $group.volumeMounts }}
           volumeMounts:
@@ -196,4 +199,15 @@ One worker group spec. Called with a dict: root (the chart context), name, group
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+{{- end }}
+
+{{/* KVMESH_API_KEYS from apiKeysSecret, for every Ray pod (the ingress may run on any). */}}
+{{- define "kvmesh.apiKeysEnv" -}}
+{{- with .Values.apiKeysSecret.name }}
+- name: KVMESH_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.apiKeysSecret.key }}
+{{- end }}
 {{- end }}

@@ -1,0 +1,272 @@
+"""Access control and limits on a live cluster (one CPU worker with a KV pool too small for its
+load, so it must preempt and recompute), over HTTP (the official openai client) and gRPC on
+127.0.0.1:
+
+- API keys from `--api-key` and from KVMESH_API_KEYS: 401 / UNAUTHENTICATED without one, answers
+  with either; /health open, /metrics closed (as configured); no key ever appears in a log;
+- limits: body size 413, prompt and output tokens 400 naming the field, the default max_tokens;
+- an overload burst: 429 + Retry-After beyond the bounded queue, every accepted request complete
+  with exactly its tokens despite KV preemption, KV blocks all free afterwards, and the ingress's
+  memory flat across repeated bursts.
+"""
+
+import concurrent.futures as cf
+import os
+import uuid
+
+import grpc
+import pytest
+import yaml
+
+from kvmesh.cluster.client import grpc_call, grpc_stream
+from kvmesh.cluster.local import LocalCluster
+from reliability_support import (auth, http, metrics, per_worker, ray_processes, rss_mb,
+                                 wait_until)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+CLI_KEY = "sk-cli-" + uuid.uuid4().hex
+ENV_KEY = "sk-env-" + uuid.uuid4().hex
+MAX_OUTPUT = 48
+# tiny-llama: 2 layers x 1 KV head x 16 dims x K,V x fp32 = 256 B per token: 12 blocks of 16 tokens.
+KV_BYTES = 12 * 16 * 256
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "limits.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": MODEL,
+        "engine": {"device": "cpu", "kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 8},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 4,
+                     "max_queued_requests": 4},
+        "server": {"auth_metrics": True},
+        "limits": {"max_prompt_tokens": 100, "max_output_tokens": MAX_OUTPUT,
+                   "max_body_bytes": 16384},
+    }))
+    old = os.environ.get("KVMESH_API_KEYS")
+    os.environ["KVMESH_API_KEYS"] = f"unused-key,{ENV_KEY}"
+    try:
+        with LocalCluster(["--api-key", CLI_KEY], config=str(config)) as c:
+            yield c
+    finally:
+        if old is None:
+            os.environ.pop("KVMESH_API_KEYS", None)
+        else:
+            os.environ["KVMESH_API_KEYS"] = old
+
+
+def completion(cluster, body, key=CLI_KEY, **kw):
+    return http(cluster.http_url + "/v1/completions", {"model": MODEL, **body}, auth(key), **kw)
+
+
+# ---- access ------------------------------------------------------------------------------------
+
+def test_openai_client_needs_a_key_and_either_key_works(cluster):
+    import openai
+
+    anonymous = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        anonymous.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    for key in (CLI_KEY, ENV_KEY):
+        client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=key, max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=3,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+        assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_no_header_or_another_scheme_is_refused(cluster):
+    for headers in ({}, {"Authorization": CLI_KEY}, {"Authorization": f"Basic {CLI_KEY}"},
+                    {"Authorization": f"Bearer {CLI_KEY}x"}):
+        status, body, hdrs = http(cluster.http_url + "/v1/completions",
+                                  {"model": MODEL, "prompt": "a", "max_tokens": 1}, headers)
+        assert status == 401 and body["error"]["type"] == "authentication_error", headers
+        assert hdrs["WWW-Authenticate"] == "Bearer"
+
+
+def test_grpc_needs_the_key_in_metadata(cluster):
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="abc", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_call(cluster.grpc_target, "ListModels", api_key="wrong")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    from kvmesh.proto import kvmesh_pb2 as pb
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="x"))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    msgs = list(grpc_stream(cluster.grpc_target, prompt="abc", max_tokens=3, ignore_eos=True,
+                            temperature=0, api_key=ENV_KEY))
+    assert msgs[-1].finish_reason == "length" and msgs[-1].usage.completion_tokens == 3
+    assert [m.id for m in grpc_call(cluster.grpc_target, "ListModels", api_key=CLI_KEY).models] == [MODEL]
+    assert grpc_call(cluster.grpc_target, "Health").healthy  # open: auth_health is off
+
+
+def test_health_is_open_and_metrics_needs_a_key_as_configured(cluster):
+    status, body, _ = http(cluster.http_url + "/health")
+    assert status == 200 and body["status"] == "ok"
+    assert http(cluster.http_url + "/metrics")[0] == 401
+    assert "kvmesh_kv_free_blocks" in str(metrics(cluster.http_url, auth(ENV_KEY)))
+
+
+def test_no_key_is_ever_written_to_a_log(cluster):
+    # after the requests above, right and wrong keys included
+    completion(cluster, {"prompt": "x", "max_tokens": 1}, key=CLI_KEY + "-wrong")
+    assert CLI_KEY not in cluster.log() and ENV_KEY not in cluster.log()
+    # every log file of this cluster's Ray session (the keys are random: no other session has them)
+    found = []
+    for root in _ray_session_dirs(cluster):
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except OSError:
+                    continue
+                if CLI_KEY.encode() in data or ENV_KEY.encode() in data:
+                    found.append(path)
+    assert found == []
+
+
+def _ray_session_dirs(cluster) -> list[str]:
+    import psutil
+
+    dirs = set()
+    for p in psutil.Process(cluster.proc.pid).children(recursive=True):
+        try:
+            for arg in p.cmdline():
+                if "/session_" in arg:
+                    path = arg.split("=", 1)[-1]
+                    i = path.find("/session_")
+                    j = path.find("/", i + 1)
+                    dirs.add(path[:j] if j > 0 else path)
+        except Exception:
+            continue
+    assert dirs, "no Ray session directory found"
+    return sorted(d for d in dirs if os.path.isdir(d))
+
+
+# ---- limits --------------------------------------------------------------------------------------
+
+def test_a_body_over_max_body_bytes_gets_413(cluster):
+    status, body, _ = completion(cluster, {"prompt": "a" * 20000, "max_tokens": 1})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert "16384" in body["error"]["message"]
+
+
+def test_prompt_and_output_limits_name_the_field(cluster):
+    status, body, _ = completion(cluster, {"prompt": list(range(1, 150)), "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert "limits.max_prompt_tokens" in body["error"]["message"]
+    status, body, _ = completion(cluster, {"prompt": "abc", "max_tokens": MAX_OUTPUT + 1})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body, _ = http(cluster.http_url + "/v1/chat/completions",
+                           {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                            "max_completion_tokens": 10_000}, auth(CLI_KEY))
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens"
+    # no max_tokens: the cap is the default
+    status, body, _ = completion(cluster, {"prompt": "abc", "ignore_eos": True, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == MAX_OUTPUT
+    from kvmesh.proto import kvmesh_pb2 as pb  # noqa: F401
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="abc", max_tokens=MAX_OUTPUT + 1, api_key=CLI_KEY))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+
+
+# ---- overload ------------------------------------------------------------------------------------
+
+def _burst(cluster, n: int):
+    def one(i):
+        body = {"prompt": f"burst request number {i}", "max_tokens": MAX_OUTPUT,
+                "ignore_eos": True, "temperature": 0}
+        if i % 2:
+            return completion(cluster, body)
+        return _stream(cluster, body)
+
+    with cf.ThreadPoolExecutor(n) as ex:
+        return list(ex.map(one, range(n)))
+
+
+def _stream(cluster, body):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(cluster.http_url + "/v1/completions",
+                                 json.dumps({"model": MODEL, **body, "stream": True,
+                                             "stream_options": {"include_usage": True}}).encode(),
+                                 {"Content-Type": "application/json", **auth(CLI_KEY)})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            usage, finish = None, None
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for c in chunk.get("choices", []):
+                        finish = c.get("finish_reason") or finish
+            return 200, {"usage": usage, "choices": [{"finish_reason": finish}]}, resp.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def test_an_overload_burst_gets_429_and_every_accepted_request_completes(cluster):
+    ingress = ray_processes(cluster, "Ingress")
+    assert len(ingress) == 1
+    free_idle = per_worker(metrics(cluster.http_url, auth(CLI_KEY)), "kvmesh_kv_free_blocks")
+    assert list(free_idle.values()) == [12]
+    sizes = []
+    for _ in range(3):
+        results = _burst(cluster, 32)
+        statuses = [r[0] for r in results]
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses.count(200) >= 8 and statuses.count(429) >= 1, statuses
+        for status, body, headers in results:
+            if status == 429:
+                assert body["error"]["code"] == "overloaded" and int(headers["Retry-After"]) >= 1
+            else:  # preempted under KV pressure and recomputed, never cut short
+                assert body["usage"]["completion_tokens"] == MAX_OUTPUT, body
+                assert body["choices"][0]["finish_reason"] == "length"
+        sizes.append(rss_mb(ingress))
+    # the first burst warms caches; later ones must not keep growing the ingress
+    assert sizes[2] - sizes[0] < 40, sizes
+    # every KV block is free again (nothing leaked by preemption)
+    wait_until(lambda: per_worker(metrics(cluster.http_url, auth(CLI_KEY)),
+                                  "kvmesh_kv_free_blocks") == free_idle, 15,
+               what="free KV blocks back to the total")
+
+
+def test_grpc_overload_is_resource_exhausted_with_retry_after(cluster):
+    def one(i):
+        try:
+            msgs = list(grpc_stream(cluster.grpc_target, prompt=f"grpc burst {i}",
+                                    max_tokens=MAX_OUTPUT, ignore_eos=True, temperature=0,
+                                    api_key=CLI_KEY))
+            return "ok", msgs[-1].usage.completion_tokens, None
+        except grpc.RpcError as e:
+            return e.code(), e.details(), None
+
+    with cf.ThreadPoolExecutor(32) as ex:
+        results = list(ex.map(one, range(32)))
+    kinds = [r[0] for r in results]
+    assert set(kinds) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}, results
+    assert kinds.count("ok") >= 8 and kinds.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+    for kind, detail, _ in results:
+        if kind == "ok":
+            assert detail == MAX_OUTPUT
+        else:
+            assert "overloaded" in detail and "(retry-after: 1 s)" in detail
+    # and it keeps serving
+    assert completion(cluster, {"prompt": "after", "max_tokens": 2})[0] == 200
