@@ -21,6 +21,7 @@ from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.generation import collect, overloaded, run_request
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
+from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params)
@@ -99,8 +100,11 @@ class Ingress(GrpcService):
         try:
             try:
                 body = json.loads(await self.limits.read_body(request))
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            if (bad := lone_surrogate_path(body)) is not None:
+                raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (not valid "
+                               "Unicode text)", param=bad)
             cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(body, cls)
             self.frontend.check_model(req.model)
