@@ -35,8 +35,15 @@ class Router:
     # ---- membership and load -----------------------------------------------------------------
 
     def add_worker(self, worker_id: str, cap: int | None = None) -> None:
-        """Make a worker routable; `cap` = max outstanding requests (default: the router's)."""
+        """Make a worker routable; `cap` = max outstanding requests (default: the router's). Adding a
+        known worker again changes only its cap, and only when one is given (health, load and cached
+        blocks stay)."""
         with self._lock:
+            state = self.workers.get(worker_id)
+            if state is not None:
+                if cap is not None:
+                    self.workers.set_cap(worker_id, cap)
+                return
             self.workers.add(worker_id, cap=self.default_cap if cap is None else cap)
             self.index.add_worker(worker_id)
             self.policy.add_worker(worker_id)

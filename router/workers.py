@@ -137,11 +137,9 @@ class WorkerSet(Sequence[WorkerState]):
         return list(self._store.ids)
 
     def add(self, worker_id: str, cap: int | None = None, healthy: bool = True) -> WorkerState:
-        if worker_id in self._pos:
-            state = self._states[self._pos[worker_id]]
-            state.cap, state.healthy = cap, healthy
-            self._write(self._pos[worker_id])
-            return state
+        if worker_id in self._pos:  # known: keep its state, take the new cap
+            self.set_cap(worker_id, cap)
+            return self._states[self._pos[worker_id]]
         if self._n == len(self._store.healthy):
             self._grow(2 * self._n)
         state = WorkerState(worker_id, cap=cap, healthy=healthy)
@@ -175,6 +173,11 @@ class WorkerSet(Sequence[WorkerState]):
         if i is None:
             raise KeyError(f"unknown worker {load.worker_id!r}: add_worker() it first")
         self._states[i].load = load
+        self._write(i)
+
+    def set_cap(self, worker_id: str, cap: int | None) -> None:
+        i = self._pos[worker_id]
+        self._states[i].cap = cap
         self._write(i)
 
     def set_healthy(self, worker_id: str, healthy: bool) -> None:

@@ -83,3 +83,17 @@ def test_concurrent_routing_and_updates_stay_consistent():
         t.join()
     assert errors == []
     assert all(not router.index.awaiting_snapshot(w) for w in workers)
+
+
+def test_adding_a_known_worker_again_keeps_its_health_load_and_blocks():
+    router = Router(default_cap=4, seed=0)
+    router.add_worker("a", cap=9)
+    router.on_events(stored("a", 0, H))
+    router.set_healthy("a", False)
+    router.update_load(WorkerLoad("a", running=3))
+    router.add_worker("a")
+    state = router.worker_state("a")
+    assert (state.cap, state.healthy, state.load.running) == (9, False, 3)
+    assert router.index.overlap(H) == {"a": 8}
+    router.add_worker("a", cap=2)
+    assert router.worker_state("a").cap == 2
