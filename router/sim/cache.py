@@ -65,18 +65,30 @@ class SimKVCache:
 
     def commit(self, hashes: Sequence[int], parent_hash: int | None) -> list[int]:
         """Newly computed full blocks (private so far) become cached under `hashes`; a hash already
-        cached keeps its block and ours stays a private duplicate. Returns the hashes now held."""
-        stored = []
+        cached keeps its block and ours stays a private duplicate. Like the block manager, emits one
+        BlockStored per contiguous run of newly cached blocks, with the hash before the run as its
+        parent. Returns the hashes now held."""
+        stored, run = [], []
+        run_parent = previous = parent_hash
         for h in hashes:
             if h in self.refs or h in self.free_cached:
-                continue
-            self.refs[h] = 1
-            self.private -= 1
-            stored.append(h)
-        if stored:
-            self.events.append(BlockStored(block_hashes=stored, parent_hash=parent_hash,
-                                           num_tokens=len(stored) * self.block_size))
+                self._emit_stored(run, run_parent)
+                run = []
+            else:
+                self.refs[h] = 1
+                self.private -= 1
+                stored.append(h)
+                if not run:
+                    run_parent = previous
+                run.append(h)
+            previous = h
+        self._emit_stored(run, run_parent)
         return stored
+
+    def _emit_stored(self, run: list[int], parent_hash: int | None) -> None:
+        if run:
+            self.events.append(BlockStored(block_hashes=run, parent_hash=parent_hash,
+                                           num_tokens=len(run) * self.block_size))
 
     def release(self, held: Sequence[int], num_private: int) -> None:
         """Free a finished request's blocks: cached ones to the LRU, last block first."""

@@ -53,3 +53,13 @@ def test_a_block_computed_twice_keeps_one_cached_copy():
     cache.release([1, 2], 0)
     cache.release([], 2)
     assert cache.num_free == 8 and list(cache.free_cached) == [2, 1]
+
+
+def test_a_run_broken_by_an_already_cached_block_is_stored_as_two_events():
+    cache = SimKVCache(capacity_blocks=8, block_size=16)
+    cache.allocate([], 1)
+    cache.commit([2], parent_hash=1)
+    cache.take_events()
+    cache.allocate([], 4)
+    assert cache.commit([1, 2, 3, 4], parent_hash=None) == [1, 3, 4]
+    assert cache.take_events() == [BlockStored([1], None, 16), BlockStored([3, 4], 2, 32)]
