@@ -14,6 +14,9 @@ Stable API (what the Ray Serve request router builds on):
     ranked = router.route(hashes, len(prompt_token_ids), session_key=None)  # ids, best first
     router.remove_worker("replica-a")
 
+- `on_events` returns False on a gap, a new epoch or a worker first seen mid-stream: fetch that
+  worker's snapshot (later batches are buffered meanwhile); `workers_awaiting_snapshot()` lists those
+  still waiting. `add_worker` on a known worker changes only its cap (if given).
 - `Router(policy, block_size=16, max_blocks=1_000_000, seed=None, default_cap=None, **policy_kwargs)`;
   `route()` returns eligible workers (healthy, below cap) in the policy's order, then full healthy ones
   least-outstanding first (spill-over); never unhealthy ones; [] if none is healthy.
