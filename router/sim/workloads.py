@@ -208,17 +208,28 @@ def make_workload(name: str, num_requests: int, seed: int = 0, block_size: int =
     return WORKLOADS[name](num_requests, seed=seed, block_size=block_size, **options)
 
 
-def assign_arrivals(workload: Workload, rate: float) -> None:
+def assign_arrivals(workload: Workload, rate: float, followups: str = "closed") -> None:
     """Scale the unit-rate offsets to `rate` requests/s (conversations start at rate / mean turns).
-    Follow-up turns get their arrival at run time (previous finish + think time)."""
+
+    followups="closed" (the simulator): a follow-up turn's arrival is left NaN and set at run time to
+    the previous turn's finish + its think time. "open" (for a load generator that does not wait for
+    answers): previous turn's arrival + its think time, fixed now."""
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
+    if followups not in ("closed", "open"):
+        raise ValueError(f"followups must be 'closed' or 'open', got {followups!r}")
     reqs = workload.requests
     if workload.has_followups:
         num_convs = sum(1 for r in reqs if r.after is None)
         conv_rate = rate * num_convs / len(reqs)
-        for r in reqs:
-            r.arrival = r.start_offset / conv_rate if r.after is None else float("nan")
+        by_id = {r.request_id: r for r in reqs}
+        for r in reqs:  # a conversation's turns come in order, after their predecessor
+            if r.after is None:
+                r.arrival = r.start_offset / conv_rate
+            elif followups == "open":
+                r.arrival = by_id[r.after].arrival + r.think_time_s
+            else:
+                r.arrival = float("nan")
     else:
         for r in reqs:
             r.arrival = r.start_offset / rate

@@ -74,3 +74,14 @@ def test_bad_names_and_sizes_are_errors():
         make_workload("x", 10)
     with pytest.raises(ValueError, match="requests must be >= 1"):
         make_workload("random", 0)
+
+
+def test_open_loop_follow_ups_arrive_a_think_time_after_the_previous_turn():
+    wl = make_workload("multiturn", 30)
+    assign_arrivals(wl, 10.0, followups="open")
+    by_id = {r.request_id: r for r in wl.requests}
+    for r in wl.requests:
+        if r.after is not None:
+            assert r.arrival == by_id[r.after].arrival + r.think_time_s
+    with pytest.raises(ValueError, match="followups must be"):
+        assign_arrivals(wl, 10.0, followups="sometimes")
