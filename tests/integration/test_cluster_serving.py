@@ -6,7 +6,6 @@ One cluster for the module (started once); the replica-killing test runs last.
 
 import concurrent.futures as cf
 import json
-import os
 import re
 import time
 import urllib.error
@@ -19,11 +18,6 @@ from kvmesh.cluster.client import grpc_call, grpc_stream
 from kvmesh.cluster.local import LocalCluster
 
 pytestmark = pytest.mark.slow
-
-# The kill test joins the cluster's Ray as a driver: keep it on loopback, auth off (set before
-# anything imports ray).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 MODEL = "random:tiny-llama"
 SEED = 1234
@@ -269,18 +263,32 @@ def test_metrics_export_the_contract_names(cluster):
         assert name in names, name
 
 
-def test_killing_a_replica_during_a_load_loses_no_request(cluster):
-    import ray
+KILLER = """
+import sys, ray
+ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
+handles = {a["name"]: ray.get_actor(a["name"], namespace="serve")
+           for a in ray.util.list_named_actors(all_namespaces=True) if "#KVWorker#" in a["name"]}
+print(" ".join(handles), flush=True)
+name = sys.stdin.readline().strip()
+ray.kill(handles[name], no_restart=True)
+print("killed", flush=True)
+"""
 
-    # This driver joins the cluster on loopback too (Ray may have been imported by another module
-    # already, so the address is given explicitly rather than through the environment alone).
-    ray.init(address=cluster.ray_address, namespace="serve", logging_level="ERROR",
-             _node_ip_address="127.0.0.1")
+
+def test_killing_a_replica_during_a_load_loses_no_request(cluster):
+    import subprocess
+    import sys
+
+    from kvmesh.cluster.local import loopback_ray_env
+
+    # A separate driver process kills the replica: Ray reads its loopback setting at import, and
+    # another test module may have imported ray in this process already. It takes the actor
+    # handles before the load starts, so the kill itself is immediate.
+    killer = subprocess.Popen([sys.executable, "-c", KILLER, cluster.ray_address], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=loopback_ray_env())
     try:
-        workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if "#KVWorker#" in a["name"]]
+        workers = killer.stdout.readline().split()
         assert len(workers) == 2
-        handles = {name: ray.get_actor(name, namespace="serve") for name in workers}  # before the load
 
         def one(i):
             return post(cluster, "/v1/completions", {
@@ -296,7 +304,9 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
                 victim = next((name for name in workers for w in busy if name.endswith("#" + w)), None)
                 time.sleep(0.02)
             assert victim is not None
-            ray.kill(handles[victim], no_restart=True)
+            killer.stdin.write(victim + "\n")
+            killer.stdin.flush()
+            assert killer.stdout.readline().strip() == "killed"
             results = [f.result() for f in futures]
         assert [r[0] for r in results] == [200] * 24
         assert all(r[1]["usage"]["completion_tokens"] == 200 for r in results)
@@ -305,4 +315,5 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
         # the cluster goes on: the next request is served
         assert post(cluster, "/v1/completions", {"model": MODEL, "prompt": "after", "max_tokens": 2})[0] == 200
     finally:
-        ray.shutdown()
+        killer.kill()
+        killer.wait(10)
