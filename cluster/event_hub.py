@@ -50,7 +50,10 @@ class KVEventHub:
         for batch in batches:
             ok = self.log.publish(batch, block_size) and ok
         if load is not None:
-            self.log.update_load(load, stats)
+            # An idle worker publishes only its load: after a hub restart that is how it learns
+            # the hub forgot it (False: send a snapshot), or it would stay unknown until its next
+            # KV event.
+            ok = self.log.update_load(load, stats) and ok
         self._notify()
         return ok
 

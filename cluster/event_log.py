@@ -85,14 +85,16 @@ class EventLog:
     def publish_snapshot(self, snap: KVSnapshot) -> None:
         self._reset(snap)
 
-    def update_load(self, load: WorkerLoad, stats: dict | None = None) -> None:
+    def update_load(self, load: WorkerLoad, stats: dict | None = None) -> bool:
+        """False for a worker this log does not know (it must send a snapshot first)."""
         w = self._workers.get(load.worker_id)
         if w is None:
-            return  # loads of a worker start with its first batch or snapshot
+            return False  # loads of a worker start with its first batch or snapshot
         w.load = load
         if stats is not None:
             w.stats = stats
         w.last_seen = self.clock()
+        return True
 
     def remove_worker(self, worker_id: str) -> bool:
         if self._workers.pop(worker_id, None) is None:

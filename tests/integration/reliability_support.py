@@ -86,3 +86,14 @@ def rss_mb(processes) -> float:
 
 def auth(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def worker_pids(cluster) -> dict[str, int]:
+    """Worker replica id -> process id, read from Serve's request log lines in the cluster's log
+    ("(ServeReplica:<app>:KVWorker pid=N) ... <app>_KVWorker <replica id> ..."): only replicas
+    that have served a request appear."""
+    out = {}
+    for m in re.finditer(r"ServeReplica:\w+:KVWorker pid=(\d+)\)\S*\s+\w+ [\d\-: ,]+ \w+_KVWorker (\w+) ",
+                         cluster.log()):
+        out[m.group(2)] = int(m.group(1))
+    return out

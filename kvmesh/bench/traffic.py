@@ -1,0 +1,176 @@
+"""A bounded, mixed client load against a kvmesh cluster's OpenAI HTTP API, used by the fault and
+soak tests and by `kvmesh bench soak`.
+
+Three kinds of request, each with a hard deadline (a request that outlives it is "hung"):
+- whole: non-streaming; retried (honouring Retry-After, at most `max_attempts`) on 429, 5xx and
+  connection errors, as the OpenAI clients do;
+- stream: streaming, read to `data: [DONE]`; retried like `whole` while no chunk has arrived (the
+  user has seen nothing); afterwards it must end with [DONE], as complete ("ok") or with a chunk
+  whose finish_reason is "error" ("error_ended"); a stream whose connection drops without either
+  is "cut";
+- abort: streaming, the client disconnects after its first content chunk (mid-stream).
+
+Plain threads and http.client: a disconnect is a closed socket, exactly what a client does.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+
+
+@dataclass
+class Outcome:
+    kind: str  # whole | stream | abort
+    result: str  # ok | error_ended | aborted | cut | failed | hung
+    attempts: int = 0
+    tokens: int = 0
+    latency_s: float = 0.0
+    statuses: list[int] = field(default_factory=list)
+    detail: str = ""
+    started_at: float = 0.0  # time.monotonic()
+
+
+class Traffic:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None,
+                 timeout_s: float = 60.0, max_attempts: int = 8, max_tokens: int = 16,
+                 max_retry_wait_s: float = 2.0, seed: int = 0):
+        url = urllib.parse.urlparse(base_url)
+        self.host, self.port = url.hostname, url.port or 80
+        self.model, self.api_key = model, api_key
+        self.timeout_s, self.max_attempts, self.max_tokens = timeout_s, max_attempts, max_tokens
+        self.max_retry_wait_s = max_retry_wait_s
+        self.seed = seed
+
+    # ---- one request ---------------------------------------------------------------------------
+
+    def _body(self, i: int, stream: bool) -> bytes:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        tenant = rng.randrange(4)  # a few shared prefixes, so the prefix cache and router work
+        prompt = f"Tenant {tenant} instructions: answer briefly and politely. " * 3 + f"Question {i}?"
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
+                "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": stream}
+        return json.dumps(body).encode()
+
+    def _headers(self) -> dict:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def one(self, i: int, kind: str) -> Outcome:
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        out = Outcome(kind, "failed", started_at=start)
+        while out.attempts < self.max_attempts:
+            out.attempts += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                out.result = "hung"
+                break
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=remaining)
+            retry_after = 0.2
+            try:
+                conn.request("POST", "/v1/completions", self._body(i, kind != "whole"), self._headers())
+                resp = conn.getresponse()
+                out.statuses.append(resp.status)
+                if resp.status != 200:
+                    resp.read()
+                    out.detail = f"HTTP {resp.status}"
+                    if resp.status not in RETRY_STATUSES:
+                        break
+                    retry_after = float(resp.getheader("Retry-After") or 0.2)
+                elif kind == "whole":
+                    body = json.loads(resp.read())
+                    out.tokens = body["usage"]["completion_tokens"]
+                    out.result = "ok"
+                    break
+                else:
+                    seen = self._read_stream(resp, conn, out, abort=kind == "abort")
+                    if seen or out.result in ("ok", "error_ended", "aborted"):
+                        break  # the user saw output: never re-run
+            except TimeoutError:
+                out.result, out.detail = "hung", "no answer before the deadline"
+                break
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                out.detail = f"{type(e).__name__}: {e}"
+                if out.tokens:  # cut mid-stream
+                    out.result = "cut"
+                    break
+            finally:
+                conn.close()
+            time.sleep(min(retry_after, self.max_retry_wait_s, max(0.0, deadline - time.monotonic())))
+        else:
+            out.detail = out.detail or "no attempts left"
+        out.latency_s = time.monotonic() - start
+        return out
+
+    def _read_stream(self, resp, conn, out: Outcome, abort: bool) -> bool:
+        """Read SSE lines; returns whether any content reached the client."""
+        finish = None
+        while True:
+            line = resp.readline()
+            if not line:  # connection closed before [DONE]
+                out.result = "cut" if out.tokens else "failed"
+                out.detail = "stream closed before [DONE]"
+                return out.tokens > 0
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                out.result = "error_ended" if finish == "error" else "ok"
+                return True
+            chunk = json.loads(data)
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    out.tokens += 1
+                finish = choice.get("finish_reason") or finish
+            if abort and out.tokens:
+                out.result = "aborted"
+                conn.sock.shutdown(socket.SHUT_RDWR)  # a client that goes away mid-stream
+                return True
+
+    # ---- many requests -------------------------------------------------------------------------
+
+    def run(self, num_requests: int, concurrency: int, mix: dict[str, float],
+            stop_after_s: float | None = None, on_done=None) -> list[Outcome]:
+        """`num_requests` requests of kinds drawn from `mix` (weights), `concurrency` at a time;
+        stops issuing new ones after stop_after_s. on_done(i, outcome) runs after each."""
+        rng = random.Random(self.seed)
+        kinds = rng.choices(list(mix), weights=list(mix.values()), k=num_requests)
+        results: list[Outcome | None] = [None] * num_requests
+        started = time.monotonic()
+        lock = threading.Lock()
+
+        def task(i):
+            if stop_after_s is not None and time.monotonic() - started > stop_after_s:
+                return
+            o = self.one(i, kinds[i])
+            with lock:
+                results[i] = o
+            if on_done is not None:
+                on_done(i, o)
+
+        with ThreadPoolExecutor(concurrency) as ex:
+            list(ex.map(task, range(num_requests)))
+        return [r for r in results if r is not None]
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    by = Counter((o.kind, o.result) for o in outcomes)
+    return {"requests": len(outcomes),
+            "by_kind_result": {f"{k}:{r}": n for (k, r), n in sorted(by.items())},
+            "retried": sum(1 for o in outcomes if o.attempts > 1),
+            "lost": sum(1 for o in outcomes if o.result in ("failed", "hung")
+                        or (o.kind == "whole" and o.result != "ok"))}

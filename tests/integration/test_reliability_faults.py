@@ -1,0 +1,223 @@
+"""Faults under a bounded load on a live CPU cluster (2 worker replicas, 1 ingress), on 127.0.0.1.
+Each test runs a fixed number of mixed requests (non-streaming, streaming, aborted) through
+kvmesh.bench.traffic, injects one fault by signalling one of the cluster's own processes (found
+below the `kvmesh serve` process by pid), and checks:
+
+- nothing is lost: every non-streaming request is answered 200 (retried by the client on 429 / 5xx,
+  or inside the ingress where no token was produced), every stream ends with [DONE] (complete or
+  with finish_reason "error"), no request outlives its deadline;
+- the router stops sending work to the dead or slow replica within seconds, and the cluster
+  (replicas, KV index) recovers;
+- an abort storm (hundreds of clients disconnecting mid-stream, HTTP and gRPC) leaves every KV block
+  free.
+
+The tests share one cluster and run in file order (the kills come last).
+"""
+
+import concurrent.futures as cf
+import os
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+import yaml
+
+from kvmesh.bench.traffic import Traffic, summarize
+from kvmesh.cluster.local import LocalCluster
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from reliability_support import http, metrics, per_worker, ray_processes, wait_until, worker_pids
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+MIX = {"whole": 0.45, "stream": 0.45, "abort": 0.1}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "faults.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": MODEL, "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 2, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 16},
+    }))
+    with LocalCluster([], config=str(config)) as c:
+        yield c
+
+
+def traffic(cluster, **kw):
+    return Traffic(cluster.http_url, MODEL, max_tokens=kw.pop("max_tokens", 8), **kw)
+
+
+def free_blocks(cluster) -> dict[str, float]:
+    return per_worker(metrics(cluster.http_url), "kvmesh_kv_free_blocks")
+
+
+def requests_per_worker(cluster) -> dict[str, float]:
+    return per_worker(metrics(cluster.http_url), "kvmesh_worker_requests")
+
+
+def healthy_workers(cluster) -> int:
+    status, body, _ = http(cluster.http_url + "/health", timeout=10)
+    return body.get("workers", 0) if status == 200 else 0
+
+
+def assert_nothing_lost(outcomes, allow_cut=False):
+    s = summarize(outcomes)
+    bad = [o for o in outcomes if o.result in ("failed", "hung")
+           or (o.kind == "whole" and o.result != "ok")
+           or (o.result == "cut" and not allow_cut)]
+    assert s["lost"] == 0 and not bad, (s, bad[:5])
+    return s
+
+
+def run_with_fault(cluster, fault, num_requests=400, concurrency=8, after=10, stop_after_s=12.0,
+                   **kw):
+    """Run the load (at most num_requests, none started after stop_after_s); `fault()` is called
+    once `after` requests have finished. Returns (outcomes, when the fault was injected)."""
+    done = threading.Event()
+    count = {"n": 0}
+    lock = threading.Lock()
+
+    def on_done(i, o):
+        with lock:
+            count["n"] += 1
+            if count["n"] == after:
+                done.set()
+
+    holder = {}
+    t = threading.Thread(target=lambda: holder.setdefault(
+        "out", traffic(cluster, **kw).run(num_requests, concurrency, MIX, stop_after_s=stop_after_s,
+                                          on_done=on_done)))
+    t.start()
+    assert done.wait(120), "the load never got going"
+    injected = time.monotonic()
+    fault()
+    t.join(300)
+    assert not t.is_alive(), "the load did not finish"
+    return holder["out"], injected
+
+
+# ---- abort storm ---------------------------------------------------------------------------------
+
+def test_an_abort_storm_leaves_no_kv_block_in_use(cluster):
+    wait_until(lambda: len(free_blocks(cluster)) == 2, 30, what="two workers reporting")
+    idle = free_blocks(cluster)
+    # 300 HTTP clients that disconnect after their first chunk, 50 at a time, and a few that stay
+    out = traffic(cluster, max_tokens=200).run(300, 50, {"abort": 0.9, "stream": 0.1})
+    s = summarize(out)
+    assert s["lost"] == 0, s
+    assert sum(1 for o in out if o.result == "aborted") >= 250, s
+    # 100 gRPC streams cancelled after their first message
+    channel = grpc.insecure_channel(cluster.grpc_target)
+    stub = pb_grpc.GenerationStub(channel)
+
+    def cancel_after_first(i):
+        call = stub.Generate(pb.GenerateRequest(prompt=f"grpc abort {i}", max_tokens=200,
+                                                ignore_eos=True), timeout=60)
+        for _ in call:
+            call.cancel()
+            return True
+        return False
+
+    try:
+        with cf.ThreadPoolExecutor(25) as ex:
+            assert all(ex.map(cancel_after_first, range(100)))
+    finally:
+        channel.close()
+    # every block comes back: nothing leaked by 400 aborts
+    wait_until(lambda: free_blocks(cluster) == idle, 30, what=f"free KV blocks back to {idle}")
+    m = metrics(cluster.http_url)
+    assert sum(per_worker(m, "kvmesh_running_requests").values()) == 0
+
+
+# ---- slow replica ---------------------------------------------------------------------------------
+
+def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
+    # warm both replicas so each has served (and logged) a request
+    traffic(cluster).run(8, 4, {"whole": 1.0})
+    pids = worker_pids(cluster)
+    live = set(free_blocks(cluster))
+    slow_id = sorted(live & set(pids))[0]
+    slow = psutil.Process(pids[slow_id])
+    stop = threading.Event()
+
+    def throttle():  # ~95% of the time stopped: a replica on a sick or overloaded machine
+        while not stop.is_set():
+            slow.send_signal(signal.SIGSTOP)
+            stop.wait(0.38)
+            slow.send_signal(signal.SIGCONT)
+            stop.wait(0.02)
+
+    before = requests_per_worker(cluster)
+    thrower = threading.Thread(target=throttle)
+    try:
+        thrower.start()
+        out = traffic(cluster, max_tokens=32).run(80, 8, MIX)
+    finally:
+        stop.set()
+        thrower.join()
+        slow.send_signal(signal.SIGCONT)
+    assert_nothing_lost(out)
+    after = wait_until(lambda: (lambda r: r if sum(r.values()) >= sum(before.values()) + 70 else None)(
+        requests_per_worker(cluster)), 20, what="request counts reported")
+    got = {w: after[w] - before.get(w, 0) for w in after}
+    assert got[slow_id] < 0.25 * sum(got.values()), got
+
+
+# ---- KV event stream restarted (a gap) ------------------------------------------------------------
+
+def test_a_restarted_kv_event_hub_resyncs_the_index_under_load(cluster):
+    hub = ray_processes(cluster, "KVEventHub")
+    assert len(hub) == 1
+    out, _ = run_with_fault(cluster, lambda: hub[0].send_signal(signal.SIGKILL))
+    assert_nothing_lost(out)
+    # the restarted hub knows both workers again, and routing by cache hits works again
+    wait_until(lambda: len(free_blocks(cluster)) == 2, 30, what="both workers back in the hub")
+    prefix = "A long shared system prompt after the hub restart, for cache routing. " * 6
+    http(cluster.http_url + "/v1/completions", {"model": MODEL, "prompt": prefix + "one", "max_tokens": 1})
+
+    def second_hits():
+        status, body, _ = http(cluster.http_url + "/v1/completions",
+                               {"model": MODEL, "prompt": prefix + f"two {time.monotonic()}",
+                                "max_tokens": 1})
+        return status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 10
+
+    wait_until(second_hits, 20, interval_s=0.5, what="a cached prefix routed to its worker")
+
+
+# ---- kill a worker replica -------------------------------------------------------------------------
+
+def test_killing_a_worker_replica_loses_nothing_and_serve_replaces_it(cluster):
+    victims = ray_processes(cluster, "KVWorker")
+    assert len(victims) == 2
+    out, killed_at = run_with_fault(cluster, lambda: victims[0].send_signal(signal.SIGKILL))
+    assert_nothing_lost(out)
+    # within seconds the router sends nothing to the dead replica: later requests need one attempt
+    late = [o for o in out if o.started_at > killed_at + 5]
+    assert late and all(o.attempts == 1 for o in late), [(o.attempts, o.statuses) for o in late][:5]
+    # Serve replaces it and the new replica joins the index
+    wait_until(lambda: healthy_workers(cluster) == 2 and len(free_blocks(cluster)) == 2, 90,
+               interval_s=0.5, what="two healthy workers again")
+    assert not victims[0].is_running()
+
+
+# ---- kill the ingress --------------------------------------------------------------------------------
+
+def test_killing_the_ingress_loses_no_request_and_serving_resumes(cluster):
+    ingress = ray_processes(cluster, "Ingress")
+    assert len(ingress) == 1
+    out, _ = run_with_fault(cluster, lambda: ingress[0].send_signal(signal.SIGKILL),
+                            timeout_s=120, max_attempts=40)
+    # the streams the dead ingress was writing are cut (no process is left to end them); every
+    # other request is answered, retried by the client while Serve restarts the ingress
+    s = assert_nothing_lost(out, allow_cut=True)
+    assert s["retried"] >= 1, s
+    wait_until(lambda: healthy_workers(cluster) == 2, 60, what="the new ingress sees both workers")
+    status, body, _ = http(cluster.http_url + "/v1/completions",
+                           {"model": MODEL, "prompt": "after the ingress died", "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    assert os.path.exists(cluster.log_path)
