@@ -188,3 +188,15 @@ def run(args) -> int:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "handler"},
                        "results": rows}, f, indent=2, default=str)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.bench.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
