@@ -83,7 +83,34 @@ def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
             ray.shutdown()
 
 
+def fit_to_this_machine(cfg: ServeConfig, address: str | None, out=sys.stdout) -> ServeConfig:
+    """On a local Ray without a GPU, `device: auto` means CPU replicas: ask Ray for no GPU instead
+    of waiting forever for one. `device: cuda` without a GPU is an error naming what is missing."""
+    if address is not None or cfg.replicas.num_gpus == 0:
+        return cfg
+    if _local_gpus() > 0:
+        return cfg
+    if cfg.engine.device == "cuda":
+        raise ValueError("engine.device is cuda but this machine has no CUDA GPU for Ray to give "
+                         "the worker replicas (replicas.num_gpus > 0); use --device cpu, or "
+                         "--address to join a cluster with GPU nodes")
+    print("kvmesh serve: no GPU here; running the worker replicas on the CPU "
+          "(replicas.num_gpus: 0)", file=out)
+    data = cfg.to_dict()
+    data["replicas"]["num_gpus"] = 0
+    return ServeConfig.model_validate(data)
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
 def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
+    cfg = fit_to_this_machine(cfg, address, out)
     ray_address = start_ray(cfg, address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
