@@ -1,0 +1,84 @@
+"""The worker's engine loop: a real Engine (tiny random model) on its own thread, bridged to an
+asyncio loop: streams deltas, aborts, snapshots, KV event batches, load and TTFT for the worker."""
+
+import asyncio
+
+import pytest
+
+from kvmesh.cluster.engine_loop import EngineLoop
+from kvmesh.config import EngineConfig
+from kvmesh.protocol import EngineRequest, KVSnapshot
+from kvmesh.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvmesh.worker.engine import Engine
+
+    return Engine(EngineConfig(model="random:tiny-llama", device="cpu", worker_id="w0"))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def _drain(queue):
+    deltas = []
+    while True:
+        d = await queue.get()
+        deltas.append(d)
+        if d.finished:
+            return deltas
+
+
+def test_streams_a_request_to_its_finish_and_reports_events_load_and_ttft(engine):
+    async def main():
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        try:
+            out = loop.submit(EngineRequest("r1", list(range(40)), SamplingParams(max_tokens=5, temperature=0)))
+            deltas = await _drain(out)
+            assert [d.finish_reason for d in deltas][-1] == "length"
+            assert sum(len(d.token_ids) for d in deltas) == 5
+            batches = loop.take_kv_batches()
+            assert batches and [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
+            snap = await loop.snapshot()
+            assert isinstance(snap, KVSnapshot) and snap.seq == batches[-1].seq and len(snap.block_hashes) >= 2
+            assert loop.load.running == 0 and loop.load.kv_total_blocks > 0
+            assert loop.stats.requests == 1 and loop.stats.prompt_tokens == 40
+            assert loop.ttft_p90() > 0.0
+            assert loop.stalled_for() == 0.0 and loop.is_alive()
+        finally:
+            loop.stop()
+    run(main())
+
+
+def test_abort_ends_the_request_and_frees_it(engine):
+    async def main():
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        try:
+            out = loop.submit(EngineRequest("long", list(range(20)), SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)))
+            first = await out.get()
+            assert not first.finished
+            loop.abort("long")
+            assert loop.num_streams == 0
+            for _ in range(200):  # the engine thread applies the abort at its next step
+                if not engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine.has_unfinished_requests()
+        finally:
+            loop.stop()
+    run(main())
+
+
+def test_a_refused_request_gets_an_error_delta_naming_the_problem(engine):
+    async def main():
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        try:
+            too_long = list(range(10)) * 300
+            out = loop.submit(EngineRequest("bad", too_long, SamplingParams(max_tokens=2)))
+            d = await out.get()
+            assert d.finish_reason == "error" and d.error.startswith("invalid_request: prompt is 3000 tokens")
+        finally:
+            loop.stop()
+    run(main())
