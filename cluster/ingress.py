@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from kvmesh.cluster import process_metrics
 from kvmesh.cluster.auth import UNAUTHORIZED_MESSAGE, ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
@@ -44,6 +45,7 @@ class Ingress(GrpcService):
         self.hub = get_or_create_hub(self.config.app_name)
         self.api_keys = ApiKeys.from_server_config(self.config.server)
         self.limits = RequestLimits(self.config.limits)
+        process_metrics.register(self.frontend.metrics.registry)
         # The first handle call creates this replica's router copy: make it now, so the copy has
         # consumed the KV event stream before the first real request.
         asyncio.get_running_loop().create_task(self._warm_up())

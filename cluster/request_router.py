@@ -17,6 +17,7 @@ import os
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvmesh.cluster import process_metrics
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import RoutedRequest
 from kvmesh.cluster.routing_state import RoutingState
@@ -48,6 +49,7 @@ class KVAwareRequestRouter(RequestRouter):
         self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied
         self._consumer = asyncio.get_running_loop().create_task(self._consume_events())
         ROUTER_COPIES.append(self)
+        process_metrics.track_router(self)  # by module attribute: this module is pickled by value
 
     async def _consume_events(self):
         while True:

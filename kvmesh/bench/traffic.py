@@ -167,6 +167,36 @@ class Traffic:
         return [r for r in results if r is not None]
 
 
+    def run_for(self, duration_s: float, concurrency: int, mix: dict[str, float],
+                on_done=None) -> list[Outcome]:
+        """Requests of kinds drawn from `mix`, `concurrency` at a time, until duration_s has
+        passed (requests in flight then are finished, each within its own deadline)."""
+        rng = random.Random(self.seed)
+        kinds, weights = list(mix), list(mix.values())
+        results: list[Outcome] = []
+        lock = threading.Lock()
+        counter = iter(range(10**12))
+        end = time.monotonic() + duration_s
+
+        def loop():
+            while time.monotonic() < end:
+                with lock:
+                    i = next(counter)
+                    kind = rng.choices(kinds, weights=weights)[0]
+                o = self.one(i, kind)
+                with lock:
+                    results.append(o)
+                if on_done is not None:
+                    on_done(i, o)
+
+        threads = [threading.Thread(target=loop, daemon=True) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
 def summarize(outcomes: list[Outcome]) -> dict:
     by = Counter((o.kind, o.result) for o in outcomes)
     return {"requests": len(outcomes),

@@ -23,6 +23,12 @@ def register(subparsers) -> None:
                        add_help=False)
     p.add_argument("serve_args", nargs=argparse.REMAINDER)
     p.set_defaults(handler=_serve)
+    from kvmesh.bench import soak  # stdlib-only at import
+
+    p = sub.add_parser("soak", help="bounded mixed load with memory sampling; fails on a lost request or memory growth",
+                       description=soak.__doc__.split("\n\n")[0])
+    soak.add_arguments(p)
+    p.set_defaults(handler=soak.run)
 
 
 def _serve(args) -> int:
