@@ -67,6 +67,7 @@ def healthy_workers(cluster) -> int:
 
 def assert_nothing_lost(outcomes, allow_cut=False):
     s = summarize(outcomes)
+    print("load:", s)  # the numbers in docs/RELIABILITY.md (pytest -s)
     bad = [o for o in outcomes if o.result in ("failed", "hung")
            or (o.kind == "whole" and o.result != "ok")
            or (o.result == "cut" and not allow_cut)]
@@ -109,6 +110,7 @@ def test_an_abort_storm_leaves_no_kv_block_in_use(cluster):
     # 300 HTTP clients that disconnect after their first chunk, 50 at a time, and a few that stay
     out = traffic(cluster, max_tokens=200).run(300, 50, {"abort": 0.9, "stream": 0.1})
     s = summarize(out)
+    print("abort storm:", s)
     assert s["lost"] == 0, s
     assert sum(1 for o in out if o.result == "aborted") >= 250, s
     # 100 gRPC streams cancelled after their first message
@@ -165,6 +167,7 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
     after = wait_until(lambda: (lambda r: r if sum(r.values()) >= sum(before.values()) + 70 else None)(
         requests_per_worker(cluster)), 20, what="request counts reported")
     got = {w: after[w] - before.get(w, 0) for w in after}
+    print("slow replica", slow_id, "requests per worker:", got)
     assert got[slow_id] < 0.25 * sum(got.values()), got
 
 
