@@ -7,6 +7,7 @@ does not slow the client down) or with `--concurrency` requests always in flight
 Each request asks for exactly its output length (ignore_eos). Reported: TTFT, TPOT and ITL p50 /
 p99, output throughput, and the prefix hit rate (cached / prompt tokens, from the usage).
 
+Importing this module costs only argparse (the CLI may register `add_arguments` at start-up).
 Against a running cluster (`--url`), or `--launch "ARGS"` to start `kvmesh serve ARGS` once per
 policy in `--policies` and compare them on the same trace.
 """
@@ -19,8 +20,6 @@ import json
 import shlex
 import sys
 import time
-
-import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +114,8 @@ async def run_trace(url: str, workload, args, vocab_size: int, model: str) -> di
 
 
 def _pct(values, q):
+    import numpy as np
+
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 

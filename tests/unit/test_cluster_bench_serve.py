@@ -1,0 +1,45 @@
+"""`kvmesh bench serve`'s pieces that need no cluster: the seeded trace and the summary."""
+
+import argparse
+
+import pytest
+
+from kvmesh.bench import serve
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_trace_is_the_simulators_seeded_tenants_workload():
+    args = parse("--rate", "4", "--num-requests", "30", "--num-tenants", "5", "--system-tokens", "64",
+                 "--suffix-tokens", "8", "16", "--output-tokens", "4", "8")
+    a, b = serve.build_trace(args), serve.build_trace(args)
+    assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
+    assert all(64 + 8 <= r.prompt_len <= 64 + 16 and 4 <= r.output_len <= 8 for r in a.requests)
+    assert len({r.group for r in a.requests}) <= 5
+    arrivals = [r.arrival for r in a.requests]
+    assert arrivals == sorted(arrivals) and 3.0 < len(arrivals) / arrivals[-1] < 8.0  # ~4 req/s
+
+
+def test_summary_percentiles_throughput_and_hit_rate():
+    def result(sent, times, prompt, cached, out):
+        return {"status": 200, "sent": sent, "end": times[-1], "token_times": times,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": out,
+                          "prompt_tokens_details": {"cached_tokens": cached}}}
+
+    rows = [result(0.0, [0.1, 0.2, 0.3], 100, 50, 3), result(1.0, [1.3, 1.5], 100, 0, 2),
+            {"status": 429, "sent": 2.0, "end": 2.0, "token_times": [], "usage": None}]
+    s = serve.summarize(rows, duration=2.0)
+    assert (s["requests"], s["ok"]) == (3, 2)
+    assert s["ttft_p50_s"] == pytest.approx(0.2)
+    assert s["tpot_p50_s"] == pytest.approx(0.15)
+    assert s["output_tokens_per_s"] == pytest.approx(2.5)
+    assert s["prefix_hit_rate"] == pytest.approx(0.25)
+
+
+def test_a_load_shape_is_required():
+    with pytest.raises(ValueError, match="--rate"):
+        serve.run(parse())
