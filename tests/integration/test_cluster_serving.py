@@ -280,9 +280,14 @@ ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
 handles = {a["name"]: ray.get_actor(a["name"], namespace="serve")
            for a in ray.util.list_named_actors(all_namespaces=True) if "#KVWorker#" in a["name"]}
 print(" ".join(handles), flush=True)
-name = sys.stdin.readline().strip()
-ray.kill(handles[name], no_restart=True)
-print("killed", flush=True)
+for line in sys.stdin:
+    name = line.strip()
+    if name == "list":
+        print(" ".join(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if "#KVWorker#" in a["name"]), flush=True)
+        continue
+    ray.kill(handles.get(name) or ray.get_actor(name, namespace="serve"), no_restart=True)
+    print("killed", flush=True)
 """
 
 
@@ -325,6 +330,31 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
         assert retries >= 1, (victim, busy)
         # the cluster goes on: the next request is served
         assert post(cluster, "/v1/completions", {"model": MODEL, "prompt": "after", "max_tokens": 2})[0] == 200
+
+        # A stream that already sent tokens when its worker dies ends with finish_reason "error"
+        # (and [DONE]) instead of hanging. First wait for Serve's replacement replica.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(worker_gauge(cluster, "kvmesh_running_requests")) < 2:
+            time.sleep(0.2)
+        import openai
+
+        client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="stream until the worker dies",
+                                           max_tokens=1900, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        assert next(chunks).choices[0].text is not None
+        busy = [w for w, n in worker_gauge(cluster, "kvmesh_running_requests").items() if n >= 1]
+        killer.stdin.write("list\n")
+        killer.stdin.flush()
+        names = killer.stdout.readline().split()
+        victim = next(name for name in names if name.endswith("#" + busy[0]))
+        killer.stdin.write(victim + "\n")
+        killer.stdin.flush()
+        assert killer.stdout.readline().strip() == "killed"
+        rest = list(chunks)  # ends: the client saw data: [DONE]
+        assert rest[-1].choices[0].finish_reason == "error"
+        assert sum(len(c.choices[0].text) for c in rest[:-1]) < 1900 * 4
     finally:
         killer.kill()
         killer.wait(10)
