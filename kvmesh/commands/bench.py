@@ -1,8 +1,5 @@
 """`kvmesh bench offline|latency|serve`: benchmarks (kvmesh/bench). Heavy imports stay in handlers."""
 
-import argparse
-import importlib
-
 
 def register(subparsers) -> None:
     from kvmesh.bench import latency, offline  # argparse-level modules: they import torch lazily
@@ -18,24 +15,15 @@ def register(subparsers) -> None:
     p = sub.add_parser("latency", help="TPOT at batch 1 and TTFT of a 1024-token prompt")
     latency.add_arguments(p)
     p.set_defaults(handler=latency.run)
-    # serve's options belong to kvmesh/bench/serve.py, imported only when it runs
-    p = sub.add_parser("serve", help="open-loop HTTP benchmark of a running cluster (kvmesh/bench/serve.py)",
-                       add_help=False)
-    p.add_argument("serve_args", nargs=argparse.REMAINDER)
-    p.set_defaults(handler=_serve)
-    from kvmesh.bench import soak  # stdlib-only at import
+    from kvmesh.bench import serve, soak  # both import only argparse-level modules at import time
+
+    p = sub.add_parser("serve", help="open-loop HTTP benchmark of a cluster, per routing policy",
+                       description=serve.__doc__.split("\n\n")[0])
+    serve.add_arguments(p)
+    p.set_defaults(handler=serve.run)
 
     p = sub.add_parser("soak", help="bounded mixed load with memory sampling; fails on a lost request or memory growth",
                        description=soak.__doc__.split("\n\n")[0])
     soak.add_arguments(p)
     p.set_defaults(handler=soak.run)
 
-
-def _serve(args) -> int:
-    try:
-        serve = importlib.import_module("kvmesh.bench.serve")
-    except ImportError as e:  # ValueError: the CLI prints it as one line (also under python -m kvmesh.cli)
-        raise ValueError(f"kvmesh bench serve is not available in this build ({e})") from e
-    parser = argparse.ArgumentParser(prog="kvmesh bench serve")
-    serve.add_arguments(parser)
-    return serve.run(parser.parse_args(args.serve_args))

@@ -50,3 +50,11 @@ def test_floor_counts_weights_once_and_kv_per_sequence():
     kv_per_token = 2 * 2 * 1 * 4 * 2
     assert floor.bytes == shape.weight_bytes + (4 + 8 + 2) * kv_per_token
     assert floor.seconds == pytest.approx(floor.bytes / 1e9)
+
+
+def test_bench_serve_options_parse_through_the_cli():
+    from kvmesh.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--rate", "8", "--policies", "kv_events,round_robin"])
+    assert args.rate == 8 and args.policies == "kv_events,round_robin"
+    assert args.handler.__module__ == "kvmesh.bench.serve"
