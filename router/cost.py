@@ -4,13 +4,25 @@ cost_w = prefill * (prompt tokens - cached_w)                  new prefill work 
        + queued_prefill * waiting_prefill_tokens_w             work queued ahead of it
        + running_decode * running_decode_tokens_w              decode steps it shares (KV read per step)
        + kv_pressure * kv_usage_w ** 2                         evictions / preemption as the pool fills
+       + outstanding * (running_w + waiting_w)                  work the requests in flight will bring back
 
 Units are queued prefill tokens: one delays the request by one token's prefill. A new (uncached)
 prefill token weighs 2: it delays the request as much, and it also spends cluster capacity and KV
 space on a copy of a prefix another worker already holds, which load-only routing ignores. A running
 context token makes every step the request shares read 114,688 more bytes (Qwen3-0.6B shape), ~27 ns
 at 4.23 TB/s against ~3 us per prefill token (~0.01), over the several steps of its prefill and first
-decodes: 0.05. The defaults were chosen on the simulator's tenants and multiturn traces
+decodes: 0.05. A request in flight weighs 256 more: the token columns are a snapshot (a queued prefill
+drains in a step or two), while a request in flight keeps the worker busy for its whole decode, and
+its follow-up turn returns to the worker that holds its context; without it, new conversations pile
+onto workers whose conversations are momentarily between turns.
+
+`stay_margin` is hysteresis, applied by the kv_events policy after the cost: when the cheapest worker
+does not hold the request's longest cached prefix, the cheapest worker that does still gets the
+request unless it costs more than `stay_margin` (4096 tokens, half an engine step's token budget) above
+the best. Loads are reports at least one step old, and a difference smaller than what a worker clears
+in part of a step is noise; acting on it recomputes a whole prefix elsewhere and leaves its copy dead
+on the holder (on multiturn, ~1% of follow-up turns moved for a transient queue, costing 0.14 points of
+hit rate and no tail latency). The defaults were chosen on the simulator's tenants and multiturn traces
 (docs/ROUTING.md has the comparison).
 """
 
@@ -27,9 +39,12 @@ class CostWeights:
     queued_prefill: float = 1.0  # per prompt token already waiting on the worker
     running_decode: float = 0.05  # per context token of the worker's running requests
     kv_pressure: float = 512.0  # tokens-equivalent of a completely full KV pool
+    outstanding: float = 256.0  # per request in flight (running + waiting) on the worker
+    stay_margin: float = 4096.0  # min cost saved to leave the cheapest holder of the longest prefix
 
     def __post_init__(self):
-        for name in ("prefill", "queued_prefill", "running_decode", "kv_pressure"):
+        for name in ("prefill", "queued_prefill", "running_decode", "kv_pressure", "outstanding",
+                     "stay_margin"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -44,4 +59,6 @@ def worker_costs(num_prompt_tokens: int, cached_tokens: np.ndarray, cols: LoadCo
         cost += weights.running_decode * cols.running_decode_tokens
     if weights.kv_pressure:
         cost += weights.kv_pressure * np.square(cols.kv_usage)
+    if weights.outstanding:
+        cost += weights.outstanding * cols.outstanding
     return cost

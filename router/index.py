@@ -13,7 +13,7 @@ costs O(its blocks). Not thread-safe: `Router` holds the lock.
 """
 
 import sys
-from itertools import accumulate, repeat
+from itertools import accumulate, repeat, takewhile
 from operator import and_
 from bisect import bisect_left
 from collections import OrderedDict
@@ -217,26 +217,29 @@ class KVIndex:
                     alive |= 1 << entry.slot
         if not alive or not block_hashes:
             return {}
-        # running[i] = workers holding blocks 0..i. The loops run in C (map, accumulate), and as a
-        # subset's bitmask is never larger than its superset's, `running` is non-increasing: the
-        # first 0 is found by bisection and every worker's drop-out point by a few index() scans.
+        # running[i] = workers holding blocks 0..i-1 (running[0] = alive). The loop runs in C (map,
+        # accumulate, takewhile) and stops looking blocks up at the first one no worker holds. A
+        # subset's bitmask is never larger than its superset's, so `running` is non-increasing and
+        # each worker's drop-out point is found by bisection.
         masks = map(self._blocks.get, block_hashes, repeat(0, len(block_hashes)))
-        running = list(accumulate(masks, and_, initial=alive))[1:]
-        num_leading = bisect_left(running, True, key=_is_zero)  # running[:num_leading] are non-zero
+        running = list(takewhile(bool, accumulate(masks, and_, initial=alive)))
+        num_leading = len(running) - 1
         result: dict[str, int] = {}
+        if not num_leading:
+            return result
         owner = self._slot_owner
-        prev, start = alive, 0
-        while start < num_leading:
-            current = running[start]
-            if current != prev and start:
-                for slot in _bits(prev & ~current):
-                    result[owner[slot]] = start
-            prev = current
-            # next change: the first index whose mask differs from `current` (smaller, since non-increasing)
-            start = bisect_left(running, True, lo=start, hi=num_leading, key=current.__gt__)
-        if prev and num_leading:
-            for slot in _bits(prev):
-                result[owner[slot]] = num_leading
+        prev, i = alive, 1
+        while i <= num_leading:
+            current = running[i]
+            if current != prev:
+                if i > 1:  # workers that held blocks 0..i-2 but not block i-1
+                    for slot in _bits(prev & ~current):
+                        result[owner[slot]] = i - 1
+                prev = current
+            # the next index whose mask is smaller than `current`
+            i = bisect_left(running, True, lo=i, hi=num_leading + 1, key=current.__gt__)
+        for slot in _bits(prev):
+            result[owner[slot]] = num_leading
         return result
 
     def holders(self, block_hash: int) -> list[str]:
@@ -255,10 +258,6 @@ class KVIndex:
         for entry in self._workers.values():
             total += sys.getsizeof(entry.blocks) + sys.getsizeof(entry)
         return total
-
-
-def _is_zero(mask: int) -> bool:
-    return mask == 0
 
 
 def _bits(mask: int):

@@ -51,6 +51,7 @@ class LoadColumns:
     cap: np.ndarray  # [n] float64, inf = no cap
     pos: dict[str, int] | None = None  # worker id -> row (built on first use if not given)
     id_array: np.ndarray | None = None  # [n] object: ids, for fast fancy indexing
+    eligible_column: np.ndarray | None = None  # [n] bool, kept by a WorkerSet (else computed per call)
 
     def ids_at(self, rows) -> list[str]:
         """The ids of `rows` (an index array), in that order."""
@@ -77,6 +78,8 @@ class LoadColumns:
 
     @property
     def eligible(self) -> np.ndarray:
+        if self.eligible_column is not None:
+            return self.eligible_column
         return self.healthy & (self.outstanding < self.cap)
 
 
@@ -96,6 +99,7 @@ class WorkerSet(Sequence[WorkerState]):
         self._pos: dict[str, int] = {}
         self._n = 0
         self._store = LoadColumns.from_states([])
+        self._store.eligible_column = np.zeros(0, dtype=bool)
         self._id_array = np.empty(0, dtype=object)
         self._grow(16)
 
@@ -113,7 +117,8 @@ class WorkerSet(Sequence[WorkerState]):
             waiting_prefill_tokens=resized(old.waiting_prefill_tokens, 0.0, np.float64),
             running_decode_tokens=resized(old.running_decode_tokens, 0.0, np.float64),
             kv_usage=resized(old.kv_usage, 0.0, np.float64),
-            cap=resized(old.cap, math.inf, np.float64))
+            cap=resized(old.cap, math.inf, np.float64),
+            eligible_column=resized(old.eligible_column, False, bool))
         self._id_array = resized(self._id_array, None, object)
 
     def __len__(self) -> int:
@@ -188,12 +193,16 @@ class WorkerSet(Sequence[WorkerState]):
     def _write(self, i: int) -> None:
         state, cols = self._states[i], self._store
         load = state.load
-        cols.healthy[i] = state.healthy and load.healthy
-        cols.outstanding[i] = load.running + load.waiting
+        healthy = state.healthy and load.healthy
+        outstanding = load.running + load.waiting
+        cap = math.inf if state.cap is None else state.cap
+        cols.healthy[i] = healthy
+        cols.outstanding[i] = outstanding
         cols.waiting_prefill_tokens[i] = load.waiting_prefill_tokens
         cols.running_decode_tokens[i] = load.running_decode_tokens
         cols.kv_usage[i] = load.kv_usage
-        cols.cap[i] = math.inf if state.cap is None else state.cap
+        cols.cap[i] = cap
+        cols.eligible_column[i] = healthy and outstanding < cap
 
     def columns(self) -> LoadColumns:
         """Views of the first len(self) rows (valid until the next add/remove)."""
@@ -202,4 +211,4 @@ class WorkerSet(Sequence[WorkerState]):
                            waiting_prefill_tokens=s.waiting_prefill_tokens[:n],
                            running_decode_tokens=s.running_decode_tokens[:n],
                            kv_usage=s.kv_usage[:n], cap=s.cap[:n], pos=self._pos,
-                           id_array=self._id_array[:n])
+                           id_array=self._id_array[:n], eligible_column=s.eligible_column[:n])

@@ -1,6 +1,8 @@
 """kv_events (the default): lowest cost wins, where cost = new prefill tokens after the overlap the
-workers' own KV events report + weighted load (kvmesh.router.cost). Ties are broken at random; with a
-temperature > 0 the first choice is sampled from softmax(-cost / (temperature * prompt tokens)).
+workers' own KV events report + weighted load (kvmesh.router.cost), with hysteresis: the cheapest
+worker holding the longest cached prefix keeps the request unless another one is cheaper by more than
+`weights.stay_margin`. Ties are broken at random; with a temperature > 0 the first choice is sampled
+from softmax(-cost / (temperature * prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
 """
 
@@ -39,10 +41,30 @@ class KVEventsPolicy(Policy):
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         cols = columns_of(workers)
-        cost = worker_costs(request.num_prompt_tokens, self.cached_tokens(request, cols), cols, self.weights)
+        cached = self.cached_tokens(request, cols)
+        cost = worker_costs(request.num_prompt_tokens, cached, cols, self.weights)
+        if self.weights.stay_margin > 0:
+            self._keep_prefix_holder(cost, cached, cols)
         if self.temperature > 0:
             cost = self._sampled_first(cost, cols, request.num_prompt_tokens)
         return rank_by_score(cost, cols, self._rng)
+
+    def _keep_prefix_holder(self, cost: np.ndarray, cached: np.ndarray, cols) -> None:
+        """Hysteresis, in place: move the cheapest eligible holder of the longest cached prefix just
+        ahead of the cheapest worker when it costs at most `stay_margin` more."""
+        holders = np.flatnonzero(cached)  # few rows: only workers the index reports
+        if not len(holders):
+            return
+        eligible = cols.eligible
+        holders = holders[eligible[holders]]
+        if not len(holders):
+            return
+        held = cached[holders]
+        holders = holders[held == held.max()]
+        stay = holders[np.argmin(cost[holders])]
+        best = cost.min() if eligible.all() else cost[eligible].min()
+        if best < cost[stay] <= best + self.weights.stay_margin:
+            cost[stay] = np.nextafter(best, -np.inf)  # first; the others keep their order
 
     def _sampled_first(self, cost: np.ndarray, cols, num_prompt_tokens: int) -> np.ndarray:
         eligible = np.flatnonzero(cols.eligible)

@@ -161,7 +161,9 @@ def test_kv_events_ignores_cache_on_a_full_or_unhealthy_worker():
 
 
 def test_kv_events_trades_cache_hits_against_queued_prefill():
-    weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0)
+    # No hysteresis here (stay_margin=0): this is the cost alone.
+    weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
+                          outstanding=0.0, stay_margin=0.0)
     p = policy("kv_events", index_with({"w0": 10}), weights=weights)
     ws = workers(0, 0)
     ws[0].load.waiting_prefill_tokens = 310  # less than the 2 * 159 it would save
@@ -171,13 +173,44 @@ def test_kv_events_trades_cache_hits_against_queued_prefill():
 
 
 def test_kv_events_counts_running_context_and_kv_pressure():
-    weights = CostWeights(prefill=1.0, queued_prefill=0.0, running_decode=0.1, kv_pressure=400.0)
+    weights = CostWeights(prefill=1.0, queued_prefill=0.0, running_decode=0.1, kv_pressure=400.0,
+                          outstanding=0.0, stay_margin=0.0)
     p = policy("kv_events", index_with({"w0": 10}), weights=weights)
     ws = workers(0, 0)
     ws[0].load.running_decode_tokens = 1400  # 140 < 159 saved
     assert p.rank(REQ, ws)[0] == "w0"
     ws[0].load.kv_total_blocks, ws[0].load.kv_free_blocks = 100, 50  # + 400 * 0.25 = 100 more
     assert p.rank(REQ, ws)[0] == "w1"
+
+
+def test_kv_events_counts_requests_in_flight():
+    weights = CostWeights(prefill=2.0, queued_prefill=0.0, running_decode=0.0, kv_pressure=0.0,
+                          outstanding=100.0, stay_margin=0.0)
+    p = policy("kv_events", index_with({"w0": 10}), weights=weights)
+    assert p.rank(REQ, workers(3, 0))[0] == "w0"  # 300 < 2 * 159 saved
+    assert p.rank(REQ, workers(4, 0))[0] == "w1"  # 400 > 318
+
+
+def test_kv_events_keeps_the_prefix_holder_within_the_stay_margin():
+    weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
+                          outstanding=0.0, stay_margin=100.0)
+    p = policy("kv_events", index_with({"w0": 10, "w1": 4}), weights=weights)
+    ws = workers(0, 0, 0)
+    # w0 costs 2 + queue, w1 2 * 96 = 192, w2 2 * 160 = 320: w0 stays first while its queue is
+    # at most 100 above the best other worker's cost (w1, 192), and the rest keep the cost order.
+    ws[0].load.waiting_prefill_tokens = 290
+    assert p.rank(REQ, ws) == ["w0", "w1", "w2"]
+    ws[0].load.waiting_prefill_tokens = 291
+    assert p.rank(REQ, ws) == ["w1", "w0", "w2"]
+    # The holder of the longest prefix only: w1 (4 blocks) gets no margin against w2.
+    ws[0].load.waiting_prefill_tokens = 10_000
+    ws[1].load.waiting_prefill_tokens = 140  # w1 332 vs w2 320
+    assert p.rank(REQ, ws) == ["w2", "w1", "w0"]
+    # A full holder cannot stay: the margin passes to the longest holder among eligible workers.
+    full = workers(0, 0, 0, cap=1)
+    full[0].load.running = 1
+    full[1].load.waiting_prefill_tokens = 200  # 392 vs w2's 320: within 100
+    assert p.rank(REQ, full) == ["w1", "w2", "w0"]
 
 
 def test_kv_events_cost_caps_a_full_hit_one_token_short():
