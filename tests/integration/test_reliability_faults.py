@@ -75,11 +75,12 @@ def assert_nothing_lost(outcomes, allow_cut=False):
     return s
 
 
-def run_with_fault(cluster, fault, num_requests=400, concurrency=8, after=10, stop_after_s=12.0,
-                   **kw):
-    """Run the load (at most num_requests, none started after stop_after_s); `fault()` is called
-    once `after` requests have finished. Returns (outcomes, when the fault was injected)."""
-    done = threading.Event()
+def run_with_fault(cluster, fault, duration_s=15.0, concurrency=8, after=5, **kw):
+    """Send requests continuously for duration_s (8 at a time); `fault()` runs once `after` of
+    them have finished, so requests are in flight when it strikes and the load goes on for
+    seconds after it. Returns (outcomes, when the fault was injected)."""
+    wait_until(lambda: healthy_workers(cluster) == 2, 90, interval_s=0.5, what="two healthy workers")
+    started = threading.Event()
     count = {"n": 0}
     lock = threading.Lock()
 
@@ -87,19 +88,21 @@ def run_with_fault(cluster, fault, num_requests=400, concurrency=8, after=10, st
         with lock:
             count["n"] += 1
             if count["n"] == after:
-                done.set()
+                started.set()
 
     holder = {}
     t = threading.Thread(target=lambda: holder.setdefault(
-        "out", traffic(cluster, **kw).run(num_requests, concurrency, MIX, stop_after_s=stop_after_s,
-                                          on_done=on_done)))
+        "out", traffic(cluster, **kw).run_for(duration_s, concurrency, MIX, on_done=on_done)))
     t.start()
-    assert done.wait(120), "the load never got going"
+    assert started.wait(60), "the load never got going"
     injected = time.monotonic()
     fault()
     t.join(300)
     assert not t.is_alive(), "the load did not finish"
-    return holder["out"], injected
+    out = holder["out"]
+    in_flight = [o for o in out if o.started_at < injected < o.started_at + o.latency_s]
+    assert in_flight, "the fault struck no request in flight"
+    return out, injected
 
 
 # ---- abort storm ---------------------------------------------------------------------------------
@@ -168,7 +171,31 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
         requests_per_worker(cluster)), 20, what="request counts reported")
     got = {w: after[w] - before.get(w, 0) for w in after}
     print("slow replica", slow_id, "requests per worker:", got)
-    assert got[slow_id] < 0.25 * sum(got.values()), got
+    assert got[slow_id] < 0.4 * sum(got.values()), got  # clearly under its fair half
+
+
+def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
+    pids = worker_pids(cluster)
+    stalled_id = sorted(set(free_blocks(cluster)) & set(pids))[0]
+    stalled = psutil.Process(pids[stalled_id])
+    stall_s = 8.0
+    stalled.send_signal(signal.SIGSTOP)
+    stalled_at = time.monotonic()
+    resume = threading.Timer(stall_s, lambda: stalled.send_signal(signal.SIGCONT))
+    resume.start()
+    try:
+        out = traffic(cluster).run_for(stall_s - 1, 8, MIX)
+    finally:
+        resume.join()
+        stalled.send_signal(signal.SIGCONT)
+    resumed_at = stalled_at + stall_s
+    assert_nothing_lost(out)  # those caught on the stalled replica finish after it resumes
+    # requests started 2 s into the stall were served by the other replica: done before resume
+    later = [o for o in out if o.started_at > stalled_at + 2]
+    quick = [o for o in later if o.started_at + o.latency_s < resumed_at]
+    print(f"stalled replica: {len(quick)} of {len(later)} requests started 2 s into the stall "
+          "finished before it resumed")
+    assert later and len(quick) >= 0.9 * len(later), (len(quick), len(later))
 
 
 # ---- KV event stream restarted (a gap) ------------------------------------------------------------
@@ -200,7 +227,7 @@ def test_killing_a_worker_replica_loses_nothing_and_serve_replaces_it(cluster):
     out, killed_at = run_with_fault(cluster, lambda: victims[0].send_signal(signal.SIGKILL))
     assert_nothing_lost(out)
     # within seconds the router sends nothing to the dead replica: later requests need one attempt
-    late = [o for o in out if o.started_at > killed_at + 5]
+    late = [o for o in out if o.started_at > killed_at + 3]
     assert late and all(o.attempts == 1 for o in late), [(o.attempts, o.statuses) for o in late][:5]
     # Serve replaces it and the new replica joins the index
     wait_until(lambda: healthy_workers(cluster) == 2 and len(free_blocks(cluster)) == 2, 90,
@@ -217,8 +244,7 @@ def test_killing_the_ingress_loses_no_request_and_serving_resumes(cluster):
                             timeout_s=120, max_attempts=40)
     # the streams the dead ingress was writing are cut (no process is left to end them); every
     # other request is answered, retried by the client while Serve restarts the ingress
-    s = assert_nothing_lost(out, allow_cut=True)
-    assert s["retried"] >= 1, s
+    assert_nothing_lost(out, allow_cut=True)
     wait_until(lambda: healthy_workers(cluster) == 2, 60, what="the new ingress sees both workers")
     status, body, _ = http(cluster.http_url + "/v1/completions",
                            {"model": MODEL, "prompt": "after the ingress died", "max_tokens": 2})
