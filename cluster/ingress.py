@@ -22,6 +22,7 @@ from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.generation import collect, overloaded, run_request
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
+from kvmesh.cluster.status import worker_rows
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
@@ -75,6 +76,14 @@ class Ingress(GrpcService):
         return {"object": "list", "data": [{
             "id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
+
+    @app.get("/v1/kvmesh/workers")
+    async def workers(self, request: Request):
+        """Per-worker load, KV usage and prefix hit rate (what `kvmesh status` prints)."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        loads, stats = await self.hub.loads.remote()
+        return {"model": self.frontend.model_name, "workers": worker_rows(loads, stats)}
 
     @app.get("/metrics")
     async def metrics(self, request: Request):

@@ -44,9 +44,16 @@ def register(subparsers) -> None:
                    help="bearer token to send (default: $KVMESH_API_KEY)")
     c.set_defaults(handler=run_client)
 
-    s = subparsers.add_parser("status", help="health, model and workers of a running cluster")
-    s.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the HTTP API")
+    s = subparsers.add_parser("status", help="replicas, load, KV usage and hit rates of a running cluster",
+                              description="A table of the cluster's worker replicas: health, running and "
+                                          "waiting requests, KV usage, prefix hit rate.")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the HTTP API (default)")
+    s.add_argument("--address", default=None,
+                   help="a Ray cluster address (e.g. auto, or HOST:6379): read the workers from the cluster "
+                        "itself instead of the HTTP API, with Serve's replica states")
+    s.add_argument("--app-name", default="kvmesh", help="Serve application name (with --address)")
     s.add_argument("--api-key", default=None, help="bearer token to send (default: $KVMESH_API_KEY)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(handler=run_status)
 
 
@@ -137,30 +144,74 @@ def run_client(args) -> int:
 
 def run_status(args) -> int:
     import json
+
+    from kvmesh.cluster.status import format_table
+
+    status = _status_from_ray(args) if args.address else _status_from_http(args)
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print(f"model: {status['model']}  status: {status['status']}  healthy workers: "
+              f"{sum(r['healthy'] for r in status['workers'])}/{len(status['workers'])}")
+        for name, states in status.get("deployments", {}).items():
+            print(f"deployment {name}: " + ", ".join(f"{k.lower()} {v}" for k, v in sorted(states.items())))
+        print(format_table(status["workers"]))
+    return 0 if status["status"] == "ok" else 1
+
+
+def _status_from_http(args) -> dict:
+    import json
+    import os
     import urllib.error
     import urllib.request
-
-    import os
 
     base = args.url.rstrip("/")
     api_key = args.api_key or os.environ.get("KVMESH_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(base + "/health", headers=headers),
-                                    timeout=10) as r:
-            health = json.load(r)
-    except urllib.error.HTTPError as e:
-        health = json.load(e)
-    except OSError as e:
-        raise ValueError(f"cannot reach {base}: {e}") from None
-    with urllib.request.urlopen(urllib.request.Request(base + "/v1/models", headers=headers),
-                                timeout=10) as r:
-        models = json.load(r)["data"]
-    print(f"status: {health['status']}  workers: {health['workers']}")
-    for m in models:
-        print(f"model: {m['id']}  max_model_len: {m.get('max_model_len')}")
-    return 0 if health["status"] == "ok" else 1
 
+    def get(path):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=10) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise ValueError(f"{base}{path}: 401 unauthorized (give --api-key or set KVMESH_API_KEY)") from None
+            return json.load(e)
+        except OSError as e:
+            raise ValueError(f"cannot reach {base}: {e}") from None
+
+    health = get("/health")
+    workers = get("/v1/kvmesh/workers")
+    return {"model": workers.get("model"), "status": health.get("status", "error"),
+            "workers": workers.get("workers", [])}
+
+
+def _status_from_ray(args) -> dict:
+    import ray
+    from ray import serve
+
+    from kvmesh.cluster.event_hub import NAMESPACE, hub_name
+    from kvmesh.cluster.status import worker_rows
+
+    ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        try:
+            hub = ray.get_actor(hub_name(args.app_name), namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(f"no kvmesh application {args.app_name!r} on the Ray cluster at "
+                             f"{args.address} (its KV event hub actor is missing)") from None
+        loads, stats = ray.get(hub.loads.remote(), timeout=30)
+        app = serve.status().applications.get(args.app_name)
+        deployments = {}
+        if app is not None:
+            deployments = {name: {str(k): v for k, v in d.replica_states.items()}
+                           for name, d in app.deployments.items()}
+        rows = worker_rows(loads, stats)
+        healthy = app is not None and str(app.status).endswith("RUNNING") and any(r["healthy"] for r in rows)
+        return {"model": None, "status": "ok" if healthy else "degraded", "workers": rows,
+                "deployments": deployments}
+    finally:
+        ray.shutdown()
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="kvmesh")

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from kvmesh.cluster.client import grpc_call, grpc_stream
-from kvmesh.cluster.local import LocalCluster
+from kvmesh.cluster.local import LocalCluster, loopback_ray_env
 
 pytestmark = pytest.mark.slow
 
@@ -289,6 +289,33 @@ for line in sys.stdin:
     ray.kill(handles.get(name) or ray.get_actor(name, namespace="serve"), no_restart=True)
     print("killed", flush=True)
 """
+
+
+def test_kvmesh_status_tables_the_replicas_over_http_and_ray(cluster):
+    import subprocess
+    import sys
+
+    for _ in range(2):  # the second one hits the prefix cache of the first
+        post(cluster, "/v1/completions", {"model": MODEL, "prompt": "kvmesh status " * 40, "max_tokens": 2})
+    for where in (["--url", cluster.http_url], ["--address", cluster.ray_address]):
+        deadline = time.monotonic() + 20  # workers publish their counters about once a second
+        while True:
+            out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--json", *where],
+                                 capture_output=True, text=True, timeout=120, env=loopback_ray_env())
+            assert out.returncode == 0, out.stdout + out.stderr
+            rows = json.loads(out.stdout.strip().splitlines()[-1])["workers"]
+            if any(r["hit_rate"] > 0 for r in rows) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert len(rows) == 2 and all(r["healthy"] and r["kv_blocks"] > 0 for r in rows), rows
+        assert sum(r["requests"] for r in rows) > 0
+        assert any(r["hit_rate"] > 0 for r in rows)
+    table = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--url", cluster.http_url],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0
+    header = table.stdout.splitlines()[1]
+    assert header.split()[:5] == ["worker", "healthy", "running", "waiting", "kv_used"]
+    assert "hit_rate" in header and len(table.stdout.splitlines()) == 5
 
 
 def test_killing_a_replica_during_a_load_loses_no_request(cluster):

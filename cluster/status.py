@@ -1,0 +1,48 @@
+"""What `kvmesh status` shows: one row per worker replica from the loads and counters the workers
+publish to the KV event hub (the same numbers /metrics exports)."""
+
+from kvmesh.protocol import WorkerLoad
+
+COLUMNS = ("worker", "healthy", "running", "waiting", "kv_used", "kv_blocks", "hit_rate", "requests",
+           "tokens_out", "ttft_p90_s")
+
+
+def worker_rows(loads: dict[str, WorkerLoad], stats: dict[str, dict]) -> list[dict]:
+    rows = []
+    for worker_id in sorted(set(loads) | set(stats)):
+        load, s = loads.get(worker_id), stats.get(worker_id, {})
+        prompt = s.get("prompt_tokens", 0)
+        rows.append({
+            "worker": worker_id,
+            "healthy": bool(load.healthy) if load else False,
+            "running": load.running if load else 0,
+            "waiting": load.waiting if load else 0,
+            "kv_used": round(load.kv_usage, 4) if load else 0.0,
+            "kv_blocks": load.kv_total_blocks if load else 0,
+            "hit_rate": round(s.get("cached_tokens", 0) / prompt, 4) if prompt else 0.0,
+            "requests": s.get("requests", 0),
+            "tokens_out": s.get("generation_tokens", 0),
+            "ttft_p90_s": round(s.get("ttft_p90_s", 0.0), 4),
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [list(COLUMNS)] + [[_cell(c, r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
+
+
+PERCENT = ("kv_used", "hit_rate")
+
+
+def _cell(column: str, value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if column in PERCENT:
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
