@@ -322,7 +322,6 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
     import subprocess
     import sys
 
-
     # A separate driver process kills the replica: Ray reads its loopback setting at import, and
     # another test module may have imported ray in this process already. It takes the actor
     # handles before the load starts, so the kill itself is immediate.
