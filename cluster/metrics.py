@@ -29,6 +29,7 @@ class _WorkerCollector:
         hit = GaugeMetricFamily("kvmesh_prefix_hit_rate", "Cached / prompt tokens of a worker since it started.", labels=["worker"])
         free = GaugeMetricFamily("kvmesh_kv_free_blocks", "Free KV blocks of a worker.", labels=["worker"])
         served = GaugeMetricFamily("kvmesh_worker_requests", "Requests a worker accepted since it started.", labels=["worker"])
+        preempted = GaugeMetricFamily("kvmesh_worker_preemptions", "Requests a worker preempted (out of KV blocks; recomputed later) since it started.", labels=["worker"])
         replicas = GaugeMetricFamily("kvmesh_replicas", "Worker replicas reporting to the KV event hub.", labels=["deployment"])
         for wid, load in sorted(self.loads.items()):
             queue.add_metric([wid], load.waiting)
@@ -39,8 +40,9 @@ class _WorkerCollector:
             prompt = s.get("prompt_tokens", 0)
             hit.add_metric([wid], s.get("cached_tokens", 0) / prompt if prompt else 0.0)
             served.add_metric([wid], s.get("requests", 0))
+            preempted.add_metric([wid], s.get("preemptions", 0))
         replicas.add_metric([WORKER_DEPLOYMENT], len(set(self.loads) | set(self.stats)))
-        return [queue, running, kv, hit, free, served, replicas]
+        return [queue, running, kv, hit, free, served, preempted, replicas]
 
 
 class IngressMetrics:

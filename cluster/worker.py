@@ -119,6 +119,7 @@ class KVWorker:
     def _stats(self) -> dict:
         s = vars(self.loop.stats).copy()
         s["ttft_p90_s"] = self.loop.ttft_p90()
+        s["preemptions"] = self.engine.scheduler.num_preemptions  # an int: safe to read across threads
         return s
 
     async def _announce(self):
