@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     c.add_argument("--target", default="127.0.0.1:9000", help="host:port of the gRPC API")
     c.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
     c.add_argument("--max-tokens", type=int, default=64)
-    c.add_argument("--temperature", type=float, default=None)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), as kvmesh generate")
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--api-key", default=None,
                    help="bearer token to send (default: $KVMESH_API_KEY)")
