@@ -39,6 +39,13 @@ class Policy:
 
 def rank_by_score(score: np.ndarray, cols: LoadColumns, rng: np.random.Generator) -> list[str]:
     """Eligible workers by ascending score (a tie for the best broken at random), then spill-over."""
+    order, eligible = order_by_score(score, cols, rng)
+    return cols.ids_at(order) + spill_over(cols, eligible)
+
+
+def order_by_score(score: np.ndarray, cols: LoadColumns,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(eligible rows by ascending score, a tie for the best broken at random; the eligible mask)."""
     eligible = cols.eligible
     # Introsort, not a stable sort: ~30% faster at 1024 workers, and ties are randomized anyway.
     if eligible.all():
@@ -51,7 +58,7 @@ def rank_by_score(score: np.ndarray, cols: LoadColumns, rng: np.random.Generator
         num_tied = int(np.searchsorted(ranked_scores, ranked_scores[0], side="right"))
         pick = int(rng.integers(num_tied))
         order[0], order[pick] = order[pick], order[0]
-    return cols.ids_at(order) + spill_over(cols, eligible)
+    return order, eligible
 
 
 def ranked_order(order: Sequence[int], cols: LoadColumns) -> list[str]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvmesh.router.cost import CostWeights, worker_costs
 from kvmesh.router.index import KVIndex
-from kvmesh.router.policies.base import Policy, RouteRequest, rank_by_score
+from kvmesh.router.policies.base import Policy, RouteRequest, order_by_score, rank_by_score, spill_over
 from kvmesh.router.workers import WorkerState, columns_of
 
 
@@ -30,41 +30,54 @@ class KVEventsPolicy(Policy):
         self._rng = np.random.default_rng(seed)
 
     def cached_tokens(self, request: RouteRequest, cols) -> np.ndarray:
+        return self._holdings(request, cols)[0]
+
+    def _holdings(self, request: RouteRequest, cols) -> tuple[np.ndarray, dict[int, float]]:
+        """([n] cached prompt tokens per row, {row: cached tokens} for the rows holding any)."""
         cached = np.zeros(len(cols.ids), dtype=np.float64)
+        held: dict[int, float] = {}
         # At least one prompt token is always computed (the block manager caps its hits the same way).
         limit = max(request.num_prompt_tokens - 1, 0)
         for wid, blocks in self.index.overlap(request.block_hashes).items():
             row = cols.row(wid)
             if row is not None:
-                cached[row] = min(blocks * self.block_size, limit)
-        return cached
+                held[row] = cached[row] = min(blocks * self.block_size, limit)
+        return cached, held
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
+        num_prompt_tokens = request.num_prompt_tokens
         cols = columns_of(workers)
-        cached = self.cached_tokens(request, cols)
-        cost = worker_costs(request.num_prompt_tokens, cached, cols, self.weights)
-        if self.weights.stay_margin > 0:
-            self._keep_prefix_holder(cost, cached, cols)
+        cached, held = self._holdings(request, cols)
+        cost = worker_costs(num_prompt_tokens, cached, cols, self.weights)
+        use_margin = bool(held) and self.weights.stay_margin > 0
         if self.temperature > 0:
-            cost = self._sampled_first(cost, cols, request.num_prompt_tokens)
-        return rank_by_score(cost, cols, self._rng)
+            eligible = cols.eligible
+            if use_margin and eligible.any():
+                best = int(np.flatnonzero(eligible)[np.argmin(cost[eligible])])
+                stay = self._holder_that_stays(cost, held, eligible, best)
+                if stay is not None:
+                    cost[stay] = np.nextafter(cost[best], -np.inf)
+            return rank_by_score(self._sampled_first(cost, cols, num_prompt_tokens), cols, self._rng)
+        # The hysteresis is applied to the sorted order (not as another pass over every worker).
+        order, eligible = order_by_score(cost, cols, self._rng)
+        if use_margin and len(order) > 1:
+            stay = self._holder_that_stays(cost, held, eligible, int(order[0]))
+            if stay is not None:
+                order = np.concatenate(([stay], order[order != stay]))  # the others keep their order
+        return cols.ids_at(order) + spill_over(cols, eligible)
 
-    def _keep_prefix_holder(self, cost: np.ndarray, cached: np.ndarray, cols) -> None:
-        """Hysteresis, in place: move the cheapest eligible holder of the longest cached prefix just
-        ahead of the cheapest worker when it costs at most `stay_margin` more."""
-        holders = np.flatnonzero(cached)  # few rows: only workers the index reports
-        if not len(holders):
-            return
-        eligible = cols.eligible
-        holders = holders[eligible[holders]]
-        if not len(holders):
-            return
-        held = cached[holders]
-        holders = holders[held == held.max()]
-        stay = holders[np.argmin(cost[holders])]
-        best = cost.min() if eligible.all() else cost[eligible].min()
-        if best < cost[stay] <= best + self.weights.stay_margin:
-            cost[stay] = np.nextafter(best, -np.inf)  # first; the others keep their order
+    def _holder_that_stays(self, cost: np.ndarray, held: dict[int, float], eligible: np.ndarray,
+                           best: int) -> int | None:
+        """Hysteresis: the cheapest eligible holder of the longest cached prefix, when the cheapest
+        eligible worker `best` holds less of it and it costs at most `stay_margin` more; else None."""
+        holders = [(tokens, row) for row, tokens in held.items() if eligible[row]]
+        if not holders:
+            return None
+        longest = max(tokens for tokens, _ in holders)
+        if held.get(best, 0.0) >= longest:
+            return None
+        stay = min((row for tokens, row in holders if tokens == longest), key=cost.__getitem__)
+        return stay if cost[stay] - cost[best] <= self.weights.stay_margin else None
 
     def _sampled_first(self, cost: np.ndarray, cols, num_prompt_tokens: int) -> np.ndarray:
         eligible = np.flatnonzero(cols.eligible)
