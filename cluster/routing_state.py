@@ -9,11 +9,18 @@ older batches still in the stream are skipped instead of being mistaken for a ga
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
+import time
 
 from kvmesh.cluster.event_log import PollResult, WorkerGone
 from kvmesh.cluster.recent_routes import RecentRoutes
 from kvmesh.protocol import KVEventBatch, KVSnapshot
+
+# A worker reports its load at least every second (its heartbeat). One not heard from for this long
+# is stalled or dying: it is ranked after every worker that is still reporting, so new requests
+# stop waiting on it within seconds (it still takes spill-over if every worker is stale).
+STALE_LOAD_S = float(os.environ.get("KVMESH_STALE_LOAD_S", "3.0"))
 
 
 class RoutingState:
@@ -34,6 +41,7 @@ class RoutingState:
         self.cursor = 0
         self.loads: dict = {}
         self.stats: dict = {}
+        self._heard: dict[str, tuple[float, float]] = {}  # worker -> (load timestamp, when it changed)
 
     # ---- the hub's stream --------------------------------------------------------------------
 
@@ -54,9 +62,13 @@ class RoutingState:
                 elif isinstance(entry, WorkerGone):
                     self._applied.pop(entry.worker_id, None)
                     self.router.remove_worker(entry.worker_id)
+            now = time.monotonic()
             for load in result.loads.values():
                 if load.worker_id in self._applied:
                     self.router.update_load(load)
+                heard = self._heard.get(load.worker_id)
+                if heard is None or heard[0] != load.timestamp:
+                    self._heard[load.worker_id] = (load.timestamp, now)
             self.loads = dict(result.loads)
             self.stats = dict(result.stats)
             self.instance, self.cursor = result.instance, result.cursor
@@ -99,6 +111,7 @@ class RoutingState:
 
     def remove_worker(self, worker_id: str) -> None:
         with self._lock:
+            self._heard.pop(worker_id, None)
             self._live.discard(worker_id)
             self._applied.pop(worker_id, None)
             self.router.remove_worker(worker_id)
@@ -121,7 +134,17 @@ class RoutingState:
         candidate_set = set(candidates)
         order = [w for w in ranked if w in candidate_set]
         seen = set(order)
-        return order + [w for w in candidates if w not in seen]
+        order += [w for w in candidates if w not in seen]
+        stale = self.stale_workers()
+        if stale:
+            order = [w for w in order if w not in stale] + [w for w in order if w in stale]
+        return order
+
+    def stale_workers(self, now: float | None = None) -> set[str]:
+        """Workers whose load report has not changed for STALE_LOAD_S (never-heard ones are new,
+        not stale)."""
+        now = time.monotonic() if now is None else now
+        return {w for w, (_, changed) in self._heard.items() if now - changed > STALE_LOAD_S}
 
     def _count_routed(self, worker_id: str, block_hashes: list[int], num_prompt_tokens: int) -> None:
         """Add the request to the worker's load as this copy sees it, until the worker's next report

@@ -12,6 +12,7 @@ run longer than `stall_timeout_s`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -148,7 +149,10 @@ class KVWorker:
                 await asyncio.sleep(interval - (now - last_load_sent))
                 batches = self.loop.take_kv_batches()
             try:
-                ok = await self.hub.publish.remote(batches, self.loop.load, self._stats(), block_size)
+                # Stamped now: an idle engine's load does not change, but routers must still see
+                # the heartbeat (a load that stops changing marks a stalled worker, routing_state).
+                heartbeat = dataclasses.replace(self.loop.load, timestamp=time.time())
+                ok = await self.hub.publish.remote(batches, heartbeat, self._stats(), block_size)
                 if not ok:
                     snap = await self.loop.snapshot()
                     await self.hub.publish_snapshot.remote(snap, self.loop.load, self._stats())

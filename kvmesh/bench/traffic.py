@@ -44,20 +44,24 @@ class Outcome:
 class Traffic:
     def __init__(self, base_url: str, model: str, api_key: str | None = None,
                  timeout_s: float = 60.0, max_attempts: int = 8, max_tokens: int = 16,
-                 max_retry_wait_s: float = 2.0, seed: int = 0):
+                 max_retry_wait_s: float = 2.0, seed: int = 0, shared_prefixes: int = 4):
         url = urllib.parse.urlparse(base_url)
         self.host, self.port = url.hostname, url.port or 80
         self.model, self.api_key = model, api_key
         self.timeout_s, self.max_attempts, self.max_tokens = timeout_s, max_attempts, max_tokens
         self.max_retry_wait_s = max_retry_wait_s
         self.seed = seed
+        self.shared_prefixes = shared_prefixes  # 0: every prompt distinct (no cache affinity)
 
     # ---- one request ---------------------------------------------------------------------------
 
     def _body(self, i: int, stream: bool) -> bytes:
         rng = random.Random(self.seed * 1_000_003 + i)
-        tenant = rng.randrange(4)  # a few shared prefixes, so the prefix cache and router work
-        prompt = f"Tenant {tenant} instructions: answer briefly and politely. " * 3 + f"Question {i}?"
+        if self.shared_prefixes:  # a few shared prefixes, so the prefix cache and router work
+            tenant = rng.randrange(self.shared_prefixes)
+            prompt = f"Tenant {tenant} instructions: answer briefly and politely. " * 3 + f"Question {i}?"
+        else:
+            prompt = f"Question {i} ({self.seed}): " + " ".join(str(rng.randrange(10**6)) for _ in range(40))
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
                 "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": stream}
         return json.dumps(body).encode()
