@@ -22,15 +22,18 @@ CHAT_PROMPTS = [
 ]
 
 
-def engine_variants():
+def engine_variants(base: LLM, prompts: list[list[int]]):
     """(name, engine kwargs) of the ways the engine must give the same tokens."""
+    # A pool that holds about three of the longest requests: the batch must preempt and recompute.
+    bytes_per_token = base.engine.model_config.kv_bytes_per_token * 4  # float32 on the CPU
+    small_pool = 3 * (max(len(p) for p in prompts) + MAX_NEW) * bytes_per_token
     return [
         ("batched", dict()),
         ("chunked16", dict(max_num_batched_tokens=16)),
         ("small_blocks_no_cache", dict(block_size=4, enable_prefix_caching=False)),
         # async scheduling launches each step before the previous step's tokens reach the host
         ("async_chunked16", dict(max_num_batched_tokens=16, async_scheduling=True)),
-        ("async_small_pool", dict(block_size=4, async_scheduling=True, kv_cache_memory_bytes=1 << 20)),
+        ("async_small_pool", dict(block_size=4, async_scheduling=True, kv_cache_memory_bytes=small_pool)),
     ]
 
 
@@ -51,7 +54,7 @@ def check_model(model: str, num_prompts: int | None = None):
     alone = [base.generate(prompt_token_ids=[ids], sampling_params=greedy)[0].token_ids for ids in prompts]
     assert alone == expected, "each prompt alone"
 
-    for name, kwargs in engine_variants():
+    for name, kwargs in engine_variants(base, prompts):
         llm = LLM(model, **kwargs)
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy)]
         assert got == expected, name
