@@ -173,7 +173,11 @@ class RoutingState:
         state = self.router.worker_state(worker)
         if state is None or state.full or not state.healthy:
             return ranked
-        if known.get(ranked[0], 0) >= num_blocks or saved < state.load.waiting_prefill_tokens:
+        # The queue as the worker last reported it: this copy's own additions since (_count_routed)
+        # include the very request that is computing this prefix, which must not count against it.
+        reported = self.loads.get(worker)
+        queued = reported.waiting_prefill_tokens if reported is not None else 0
+        if known.get(ranked[0], 0) >= num_blocks or saved < queued:
             return ranked
         return [worker] + [w for w in ranked if w != worker]
 
