@@ -96,6 +96,18 @@ def test_a_just_routed_prefix_goes_to_the_same_worker_before_its_events_arrive()
     assert second == first
 
 
+def test_a_follow_up_sent_before_any_new_report_goes_to_the_worker_computing_its_prefix():
+    # No report between the two requests: this copy's own view of the first worker's queue still
+    # holds the first request's prompt, which must not push its follow-up to the other worker.
+    state = RoutingState("kv_events", 16, cap=8)
+    for w in ("a", "b"):
+        state.router.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100))
+    prompt = list(range(100, 127))  # 27 blocks of 16 tokens: 429 tokens
+    first = state.rank(prompt, 429, None, ["a", "b"])[0]
+    second = state.rank(prompt[:26] + [7], 429, None, ["a", "b"])[0]
+    assert second == first
+
+
 def test_a_burst_between_load_reports_is_spread_by_the_load_it_adds():
     state = RoutingState("kv_events", 16, cap=8)
     for w in ("a", "b"):
