@@ -58,11 +58,19 @@ def parse_mix(text: str) -> dict[str, float]:
     return mix
 
 
-def scrape(base_url: str, api_key: str | None) -> dict[str, float]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def scrape(base_url: str, api_key: str | None = None, headers: dict | None = None,
+           timeout_s: float = 10.0) -> dict[str, float]:
+    """GET /metrics: {sample name with labels: value}."""
+    headers = dict(headers or {})
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     with urllib.request.urlopen(urllib.request.Request(base_url + "/metrics", headers=headers),
-                                timeout=10) as r:
-        text = r.read().decode()
+                                timeout=timeout_s) as r:
+        return parse_prometheus(r.read().decode())
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {sample name with labels: value} (comments skipped)."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

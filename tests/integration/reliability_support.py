@@ -11,6 +11,8 @@ import urllib.request
 
 import psutil
 
+from kvmesh.bench.soak import scrape
+
 
 def http(url: str, body=None, headers: dict | None = None, timeout: float = 120,
          method: str | None = None, raw: bytes | None = None):
@@ -31,15 +33,7 @@ def http(url: str, body=None, headers: dict | None = None, timeout: float = 120,
 
 
 def metrics(base_url: str, headers: dict | None = None) -> dict[str, float]:
-    req = urllib.request.Request(base_url + "/metrics", headers=headers or {})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape(base_url, headers=headers, timeout_s=30)
 
 
 def per_worker(values: dict[str, float], name: str) -> dict[str, float]:

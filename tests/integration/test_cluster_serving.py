@@ -6,7 +6,6 @@ One cluster for the module (started once); the replica-killing test runs last.
 
 import concurrent.futures as cf
 import json
-import re
 import time
 import urllib.error
 import urllib.request
@@ -14,8 +13,10 @@ import urllib.request
 import grpc
 import pytest
 
+from kvmesh.bench.soak import scrape
 from kvmesh.cluster.client import grpc_call, grpc_stream
 from kvmesh.cluster.local import LocalCluster, loopback_ray_env
+from reliability_support import per_worker
 
 pytestmark = pytest.mark.slow
 
@@ -48,19 +49,11 @@ def post(cluster, path, body, timeout=120):
 
 
 def metrics(cluster) -> dict[str, float]:
-    with urllib.request.urlopen(cluster.http_url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape(cluster.http_url, timeout_s=30)
 
 
 def worker_gauge(cluster, name) -> dict[str, float]:
-    return {re.search(r'worker="([^"]+)"', k).group(1): v
-            for k, v in metrics(cluster).items() if k.startswith(name + "{")}
+    return per_worker(metrics(cluster), name)
 
 
 # ---- correctness against the offline engine ---------------------------------------------------
