@@ -64,9 +64,7 @@ def init_random_weights(net: torch.nn.Module, seed: int) -> None:
     for name, param in net.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-        else:
+        else:  # weights and biases alike
             param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 

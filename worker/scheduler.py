@@ -77,10 +77,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                if request.num_computed_tokens == 0 and not request.block_ids:
-                    hits = self.block_manager.find_cached_prefix(request.all_token_ids, request.block_hashes)
-                else:
-                    hits = []
+                # a waiting request holds no blocks (new, or preempted and released)
+                hits = self.block_manager.find_cached_prefix(request.all_token_ids, request.block_hashes)
                 num_computed = len(hits) * self.block_manager.block_size
                 num_new = min(request.num_tokens - num_computed, budget)
                 needed = self.block_manager.blocks_needed(num_computed + num_new) - len(hits)

@@ -11,13 +11,12 @@ def hf_model_like(llm: LLM):
     engine = llm.engine
     if engine.model_path is not None:  # a real checkpoint: load it independently of our loader
         return AutoModelForCausalLM.from_pretrained(engine.model_path, torch_dtype=torch.float32).eval()
-    source_path = None
     hf_config = engine.model_config.hf_config
     model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
     state = {k: v.detach().to(torch.float32).cpu() for k, v in engine.model.hf_state_dict().items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and hf_config.tie_word_embeddings)]
-    assert not missing and not unexpected, (missing, unexpected, source_path)
+    assert not missing and not unexpected, (missing, unexpected)
     if hf_config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
