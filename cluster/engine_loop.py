@@ -180,6 +180,13 @@ class EngineLoop:
         self._streams.clear()
 
 
+def coalesce(delta: TokenDelta, stream: asyncio.Queue) -> TokenDelta:
+    """`delta` followed by every delta of its request already waiting in `stream`, as one."""
+    while not delta.finished and not stream.empty():
+        delta = delta.followed_by(stream.get_nowait())
+    return delta
+
+
 def _set_result(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)

@@ -20,6 +20,7 @@ import time
 from ray import serve
 
 from kvmesh.cluster import autoscaling
+from kvmesh.cluster.engine_loop import coalesce
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.protocol import EngineRequest
@@ -63,7 +64,9 @@ class KVWorker:
         finished = False
         try:
             while True:
-                delta = await stream.get()
+                # Everything the engine produced since the last read goes out as one item: at
+                # high load a stream item per token per step would cost more than the step.
+                delta = coalesce(await stream.get(), stream)
                 finished = delta.finished
                 yield delta
                 if finished:

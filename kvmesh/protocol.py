@@ -110,6 +110,24 @@ class TokenDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def followed_by(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta and the next one of the same request as one delta (what a consumer that fell
+        behind the engine receives: one stream item per read instead of one per step)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"request_id: cannot merge deltas of {self.request_id!r} and {later.request_id!r}")
+        return TokenDelta(
+            self.request_id, self.token_ids + later.token_ids, self.text + later.text,
+            later.finish_reason, later.num_prompt_tokens or self.num_prompt_tokens,
+            later.num_cached_tokens or self.num_cached_tokens, later.num_output_tokens,
+            _joined(self.logprobs, later.logprobs), _joined(self.top_logprobs, later.top_logprobs),
+            later.error or self.error,
+            self.first_token_time if self.first_token_time is not None else later.first_token_time,
+            self.arrival_time or later.arrival_time)
+
+
+def _joined(a: list | None, b: list | None) -> list | None:
+    return None if a is None and b is None else (a or []) + (b or [])
+
 
 @dataclass
 class RequestOutput:

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launch", metavar="ARGS", help='start `kvmesh serve ARGS` per policy (e.g. "--replicas 2 --device cpu --model random:tiny-llama")')
     parser.add_argument("--policies", default="kv_events,round_robin", help="with --launch: routing policies to compare")
     parser.add_argument("--workload", default="tenants", help="simulator workload (tenants, multiturn, prefix_repetition, random)")
+    parser.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="workload parameter as in `kvmesh sim`, e.g. system_tokens=512; repeatable")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
@@ -42,16 +44,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_trace(args, block_size: int = 16):
+    from kvmesh.commands.sim import parse_workload_options
     from kvmesh.router.sim.workloads import assign_arrivals, make_workload
 
     options = {}
     if args.workload == "tenants":
         options = dict(num_tenants=args.num_tenants, system_tokens=args.system_tokens,
                        suffix_tokens=tuple(args.suffix_tokens), output_tokens=tuple(args.output_tokens))
-    workload = make_workload(args.workload, args.num_requests, seed=args.seed,
-                             block_size=block_size, **options)
+    options.update(parse_workload_options(args.workload_opt))
+    try:
+        workload = make_workload(args.workload, args.num_requests, seed=args.seed,
+                                 block_size=block_size, **options)
+    except TypeError as e:  # an unknown --workload-opt key
+        raise ValueError(f"workload {args.workload}: {e}") from None
     if args.rate:
-        assign_arrivals(workload, args.rate)
+        assign_arrivals(workload, args.rate)  # follow-up turns: sent after their previous answer
     return workload
 
 
@@ -64,6 +71,9 @@ async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int
     times, usage, status = [], None, 0
     async with session.post(url + "/v1/completions", json=body) as resp:
         status = resp.status
+        if status != 200:
+            return {"status": status, "error": (await resp.text())[:500], "sent": sent,
+                    "end": time.perf_counter(), "token_times": [], "usage": None}
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -78,39 +88,83 @@ async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int
 
 
 async def run_trace(url: str, workload, args, vocab_size: int, model: str) -> dict:
+    results, duration = await send_trace(url, workload, args, vocab_size, model)
+    return summarize(results, duration)
+
+
+async def send_trace(url: str, workload, args, vocab_size: int, model: str) -> tuple[list[dict], float]:
+    """Send the trace. A conversation's follow-up turn (multiturn) is sent its think time after the
+    previous turn's answer has ended, as a user would, in both loop shapes; other requests go at
+    their arrival (open loop) or as soon as a slot frees (closed loop; ready follow-ups first)."""
     import aiohttp
 
     reqs = workload.requests
-    prompts = [[int(t) % vocab_size for t in r.prompt_token_ids] for r in reqs]
+    if not reqs:
+        raise ValueError("--num-requests must be at least 1")
+    prompts = {r.request_id: [int(t) % vocab_size for t in r.prompt_token_ids] for r in reqs}
+    followups: dict[int, list] = {}
+    for r in reqs:
+        if r.after is not None:
+            followups.setdefault(r.after, []).append(r)
+    first_turns = [r for r in reqs if r.after is None]
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        for i in range(min(args.warmup, len(reqs))):
-            await _one(session, url, model, prompts[i][:32], 2, time.perf_counter(), None)
+        for r in first_turns[: args.warmup]:
+            await _one(session, url, model, prompts[r.request_id][:32], 2, time.perf_counter(), None)
         start = time.perf_counter()
-        results = []
+        results: list[dict] = []
+        all_done = asyncio.Event()
+        ready: asyncio.Queue = asyncio.Queue()  # closed loop: follow-ups whose think time is over
 
-        async def fire(i):
-            r = reqs[i]
-            results.append(await _one(session, url, model, prompts[i], r.output_len,
-                                      time.perf_counter(), r.session_key))
+        async def send(r) -> None:
+            sent = time.perf_counter()
+            try:
+                result = await _one(session, url, model, prompts[r.request_id], r.output_len, sent,
+                                    r.session_key)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # counted as not ok, run goes on
+                result = {"status": 0, "error": repr(e), "sent": sent, "end": time.perf_counter(),
+                          "token_times": [], "usage": None}
+            result["request_id"], result["after"] = r.request_id, r.after
+            results.append(result)
+            for child in followups.get(r.request_id, ()):
+                asyncio.get_running_loop().call_later(child.think_time_s, release, child)
+            if len(results) == len(reqs):
+                all_done.set()
 
+        def release(child) -> None:
+            if args.concurrency:
+                ready.put_nowait(child)
+            else:
+                tasks.append(asyncio.create_task(send(child)))
+
+        tasks: list[asyncio.Task] = []
         if args.concurrency:
-            queue = list(range(len(reqs)))
+            new = list(reversed(first_turns))
 
-            async def worker():
-                while queue:
-                    await fire(queue.pop(0))
-            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            async def user() -> None:
+                while not all_done.is_set():
+                    if not ready.empty() or not new:
+                        getter = asyncio.ensure_future(ready.get())
+                        finished = asyncio.ensure_future(all_done.wait())
+                        await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+                        finished.cancel()
+                        if not getter.done():
+                            getter.cancel()
+                            return
+                        await send(getter.result())
+                    else:
+                        await send(new.pop())
+            await asyncio.gather(*(user() for _ in range(args.concurrency)))
         else:
-            tasks = []
-            for i, r in enumerate(reqs):
-                delay = start + (r.arrival if args.rate else 0.0) - time.perf_counter()
+            for r in first_turns:
+                delay = start + r.arrival - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(fire(i)))
+                tasks.append(asyncio.create_task(send(r)))
+            await all_done.wait()
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration)
+    return results, duration
 
 
 def _pct(values, q):
@@ -119,11 +173,17 @@ def _pct(values, q):
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+def _generated(r: dict) -> int:
+    return r["usage"]["completion_tokens"] if r["usage"] else len(r["token_times"])
+
+
 def summarize(results: list[dict], duration: float) -> dict:
     ok = [r for r in results if r["status"] == 200 and r["token_times"]]
     ttft = [r["token_times"][0] - r["sent"] for r in ok]
-    tpot = [(r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1)
-            for r in ok if len(r["token_times"]) > 1]
+    # A chunk may carry several tokens (a worker coalesces what piled up), so TPOT divides by the
+    # tokens after the first one, from the usage, not by the chunks.
+    tpot = [(r["token_times"][-1] - r["token_times"][0]) / (_generated(r) - 1)
+            for r in ok if _generated(r) > 1 and len(r["token_times"]) > 1]
     itl = [b - a for r in ok for a, b in zip(r["token_times"], r["token_times"][1:])]
     prompt = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
     cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok if r["usage"])
@@ -139,7 +199,7 @@ def summarize(results: list[dict], duration: float) -> dict:
     }
 
 
-def _served(url: str) -> tuple[str, int | None]:
+def served_model(url: str) -> tuple[str, int | None]:
     import urllib.request
 
     with urllib.request.urlopen(url + "/v1/models", timeout=60) as resp:
@@ -148,7 +208,7 @@ def _served(url: str) -> tuple[str, int | None]:
 
 
 def bench_url(url: str, args) -> dict:
-    model, vocab = _served(url)
+    model, vocab = served_model(url)
     vocab = args.vocab_size or vocab or 151936
     workload = build_trace(args)
     return asyncio.run(run_trace(url, workload, args, vocab, model))

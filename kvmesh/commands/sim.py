@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_run)
 
 
-def _workload_options(pairs: list[str]) -> dict:
+def parse_workload_options(pairs: list[str]) -> dict:
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     policies = resolve_policies(args.policy)
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                        max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed)
-    options = _workload_options(args.workload_opt)
+    options = parse_workload_options(args.workload_opt)
     try:
         report = run(args.workload, policies, config, num_requests=args.requests, load=load,
                      rate=args.rate, progress=not args.no_progress, workload_options=options,

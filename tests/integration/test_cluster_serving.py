@@ -144,6 +144,32 @@ def test_requests_sharing_a_long_prefix_land_on_the_same_replica(cluster):
     assert cached >= 16 * (len(prefix) // 16 - 1), second[1]["usage"]
 
 
+@pytest.mark.parametrize("shape", [["--concurrency", "2"], ["--rate", "20"]])
+def test_bench_serve_sends_each_follow_up_turn_after_its_answer(cluster, shape):
+    """`kvmesh bench serve --workload multiturn`: a conversation's next turn (its previous prompt and
+    answer plus a message) goes out after the previous answer ended, and finds that prompt cached."""
+    import argparse
+    import asyncio
+
+    from kvmesh.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--workload", "multiturn", "--num-requests", "9", *shape,
+                              "--workload-opt", "system_tokens=64", "--workload-opt", "first_message_tokens=(16,32)",
+                              "--workload-opt", "message_tokens=(8,16)", "--workload-opt", "output_tokens=(4,8)",
+                              "--workload-opt", "turns=(3,3)", "--workload-opt", "think_time_s=0.05"])
+    workload = serve.build_trace(args)
+    model, vocab_size = serve.served_model(cluster.http_url)
+    results, _ = asyncio.run(serve.send_trace(cluster.http_url, workload, args, vocab_size, model))
+    assert len(results) == 9 and all(r["status"] == 200 and r["token_times"] for r in results), results
+    by_id = {r["request_id"]: r for r in results}
+    follow_ups = [r for r in results if r["after"] is not None]
+    assert len(follow_ups) == 6
+    assert all(r["sent"] >= by_id[r["after"]]["end"] for r in follow_ups)
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64 for r in follow_ups)
+
+
 def test_a_mixed_load_of_distinct_prefixes_uses_both_replicas(cluster):
     before = worker_gauge(cluster, "kvmesh_worker_requests")
     assert len(before) == 2

@@ -31,13 +31,14 @@ def test_summary_percentiles_throughput_and_hit_rate():
                           "prompt_tokens_details": {"cached_tokens": cached}}}
 
     rows = [result(0.0, [0.1, 0.2, 0.3], 100, 50, 3), result(1.0, [1.3, 1.5], 100, 0, 2),
-            {"status": 429, "sent": 2.0, "end": 2.0, "token_times": [], "usage": None}]
+            {"status": 429, "sent": 2.0, "end": 2.0, "token_times": [], "usage": None},
+            result(3.0, [3.1, 3.5], 100, 0, 5)]  # 5 tokens in 2 chunks: TPOT 0.4 s / 4 tokens
     s = serve.summarize(rows, duration=2.0)
-    assert (s["requests"], s["ok"]) == (3, 2)
-    assert s["ttft_p50_s"] == pytest.approx(0.2)
-    assert s["tpot_p50_s"] == pytest.approx(0.15)
-    assert s["output_tokens_per_s"] == pytest.approx(2.5)
-    assert s["prefix_hit_rate"] == pytest.approx(0.25)
+    assert (s["requests"], s["ok"]) == (4, 3)
+    assert s["ttft_p50_s"] == pytest.approx(0.1)
+    assert s["tpot_p50_s"] == pytest.approx(0.1)  # of 0.1, 0.2 and 0.1
+    assert s["output_tokens_per_s"] == pytest.approx(5.0)
+    assert s["prefix_hit_rate"] == pytest.approx(50 / 300)
 
 
 def test_a_load_shape_is_required():

@@ -2,6 +2,7 @@
 asyncio loop: streams deltas, aborts, snapshots, KV event batches, load and TTFT for the worker."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -81,4 +82,35 @@ def test_a_refused_request_gets_an_error_delta_naming_the_problem(engine):
             assert d.finish_reason == "error" and d.error.startswith("invalid_request: prompt is 3000 tokens")
         finally:
             loop.stop()
+    run(main())
+
+
+def test_a_consumer_that_fell_behind_gets_what_is_waiting_as_one_delta(engine):
+    """The worker sends one stream item per read: every delta already queued, merged in order."""
+    from kvmesh.cluster.engine_loop import coalesce
+
+    async def main():
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+            deltas = await _drain(loop.submit(EngineRequest("late", list(range(30)), params)))
+        finally:
+            loop.stop()
+        assert len(deltas) >= 2
+        backlog = asyncio.Queue()
+        for d in deltas[1:]:
+            backlog.put_nowait(d)
+        merged = coalesce(deltas[0], backlog)
+        assert backlog.empty() and merged.finish_reason == "length"
+        assert merged.token_ids == [t for d in deltas for t in d.token_ids] and len(merged.token_ids) == 6
+        assert merged.text == "".join(d.text for d in deltas)
+        assert merged.logprobs == [lp for d in deltas for lp in d.logprobs] and len(merged.logprobs) == 6
+        assert merged.num_output_tokens == 6 and merged.num_prompt_tokens == 30
+        assert merged.first_token_time == deltas[0].first_token_time is not None
+        # a finished delta takes nothing after it; another request's delta cannot be merged in
+        tail = asyncio.Queue()
+        tail.put_nowait(deltas[0])
+        assert coalesce(merged, tail) is merged and tail.qsize() == 1
+        with pytest.raises(ValueError, match="request_id"):
+            deltas[0].followed_by(dataclasses.replace(deltas[1], request_id="other"))
     run(main())

@@ -1,0 +1,20 @@
+# Sourced at the start of every GPU call (bash bench/gpu_*.sh): installs what the call carried and
+# sets the environment. Carried folders, each optional (docs/PERF.md "Setup"):
+#   .whl-ray  Ray + Serve wheels       (../shared/device/wheels.sh ray .whl-ray)
+#   .whl-fi   flashinfer wheels        (../shared/device/wheels.sh flashinfer .whl-fi)
+#   .whl-x    xxhash, nano-vllm-fork   (EXTRA="xxhash nano-vllm-fork" ../shared/device/wheels.sh extra .whl-x)
+#   .fa-bin   the minimal flash-attn build, or .fa-tgz/fa.tgz (the same, gzipped, to fit beside Ray)
+#   .fi-cache flashinfer's JIT cache
+export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device/KINDS.md
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+_wheels=$(ls .whl-ray/*.whl .whl-fi/*.whl .whl-x/*.whl 2>/dev/null)
+if [ -n "$_wheels" ] && [ -z "${SKIP_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $_wheels || exit 1
+fi
+[ -f .fa-tgz/fa.tgz ] && tar xzf .fa-tgz/fa.tgz -C /tmp
+[ -d .fi-cache ] && (cd /tmp && cat "$OLDPWD"/.fi-cache/fi_cache.tgz.* | tar xzf -) 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.fa-bin:/tmp/.fa-bin
+K="python3 -m kvmesh.cli"
+# step NAME CMD...: run CMD under `timeout $T` (default 200 s), print its exit status and seconds
+step() { local t0=$(date +%s); echo "== $1"; shift; timeout "${T:-200}" "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s"; }
