@@ -30,11 +30,11 @@ B="python3 -m kvmesh.bench.serve"
 TEN_ARGS="--num-tenants $TEN --system-tokens $SYS --suffix-tokens $SUF --output-tokens $OUTT"
 MT_ARGS=$(for o in $MT; do printf -- "--workload-opt %s " "$o"; done)
 if [ "$PART" = tenants ]; then
-  T=300 step "tenants, 2 replicas, closed loop $C" $B --launch=/tmp/gpu2.yaml --policies kv_events,round_robin \
+  T=250 step "tenants, 2 replicas, closed loop $C" $B --launch=/tmp/gpu2.yaml --policies kv_events,round_robin \
       --concurrency $C --num-requests $N $TEN_ARGS --json $OUT/serve_tenants_closed.json
   RATE=$(python3 -c "import json; r=json.load(open('$OUT/serve_tenants_closed.json'))['results']; print(round(0.8*min(v['requests_per_s'] for v in r.values()), 1))")
   echo "open-loop rate: $RATE req/s"
-  T=360 step "tenants, 2 replicas, open loop $RATE req/s" $B --launch=/tmp/gpu2.yaml --policies kv_events,round_robin \
+  T=280 step "tenants, 2 replicas, open loop $RATE req/s" $B --launch=/tmp/gpu2.yaml --policies kv_events,round_robin \
       --rate $RATE --num-requests $N $TEN_ARGS --seed 1 --json $OUT/serve_tenants_open.json
 else
   T=150 step "tenants, 1 replica, closed loop $((C/2))" $B --launch=/tmp/gpu1.yaml --policies kv_events \
