@@ -18,12 +18,20 @@ onto workers whose conversations are momentarily between turns.
 
 `stay_margin` is hysteresis, applied by the kv_events policy after the cost: when the cheapest worker
 does not hold the request's longest cached prefix, the cheapest worker that does still gets the
-request unless it costs more than `stay_margin` (4096 tokens, half an engine step's token budget) above
+request unless it costs more than `stay_margin` (8192 tokens, one engine step's token budget) above
 the best. Loads are reports at least one step old, and a difference smaller than what a worker clears
-in part of a step is noise; acting on it recomputes a whole prefix elsewhere and leaves its copy dead
-on the holder (on multiturn, ~1% of follow-up turns moved for a transient queue, costing 0.14 points of
-hit rate and no tail latency). The defaults were chosen on the simulator's tenants and multiturn traces
-(docs/ROUTING.md has the comparison).
+in a step is noise; acting on it recomputes a whole prefix elsewhere and leaves its copy dead on the
+holder (on multiturn, ~1% of follow-up turns moved for a transient queue, costing 0.14 points of hit
+rate and no tail latency).
+
+The hysteresis applies only to a continuation: a request whose longest cached prefix is at least
+`stay_min_cached` (half) of its prompt, such as a conversation's next turn. A request that is mostly
+new work behind a short shared prefix (a new conversation behind a system prompt) is placed by the
+cost alone: holding it to the few workers that happen to have the shared prefix piles new work onto
+them (on multiturn, the first conversations all went to the first workers that held the system
+prompt, whose turns then came back to an overloaded worker and had to move), while the cost already
+counts the shared prefix's recompute. The defaults were chosen on the simulator's tenants and
+multiturn traces (docs/ROUTING.md has the comparison and the variants that failed).
 """
 
 from dataclasses import dataclass
@@ -40,11 +48,12 @@ class CostWeights:
     running_decode: float = 0.05  # per context token of the worker's running requests
     kv_pressure: float = 512.0  # tokens-equivalent of a completely full KV pool
     outstanding: float = 256.0  # per request in flight (running + waiting) on the worker
-    stay_margin: float = 4096.0  # min cost saved to leave the cheapest holder of the longest prefix
+    stay_margin: float = 8192.0  # min cost saved to leave the cheapest holder of the longest prefix
+    stay_min_cached: float = 0.5  # the margin applies when that prefix is >= this fraction of the prompt
 
     def __post_init__(self):
         for name in ("prefill", "queued_prefill", "running_decode", "kv_pressure", "outstanding",
-                     "stay_margin"):
+                     "stay_margin", "stay_min_cached"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
 

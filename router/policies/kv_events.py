@@ -1,7 +1,7 @@
 """kv_events (the default): lowest cost wins, where cost = new prefill tokens after the overlap the
-workers' own KV events report + weighted load (kvmesh.router.cost), with hysteresis: the cheapest
-worker holding the longest cached prefix keeps the request unless another one is cheaper by more than
-`weights.stay_margin`. Ties are broken at random; with a temperature > 0 the first choice is sampled
+workers' own KV events report + weighted load (kvmesh.router.cost), with hysteresis: when that
+prefix is at least `weights.stay_min_cached` of the prompt (a continuation), the cheapest worker
+holding it keeps the request unless another one is cheaper by more than `weights.stay_margin`. Ties are broken at random; with a temperature > 0 the first choice is sampled
 from softmax(-cost / (temperature * prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
 """
@@ -54,27 +54,28 @@ class KVEventsPolicy(Policy):
             eligible = cols.eligible
             if use_margin and eligible.any():
                 best = int(np.flatnonzero(eligible)[np.argmin(cost[eligible])])
-                stay = self._holder_that_stays(cost, held, eligible, best)
+                stay = self._holder_that_stays(cost, held, eligible, best, num_prompt_tokens)
                 if stay is not None:
                     cost[stay] = np.nextafter(cost[best], -np.inf)
             return rank_by_score(self._sampled_first(cost, cols, num_prompt_tokens), cols, self._rng)
         # The hysteresis is applied to the sorted order (not as another pass over every worker).
         order, eligible = order_by_score(cost, cols, self._rng)
         if use_margin and len(order) > 1:
-            stay = self._holder_that_stays(cost, held, eligible, int(order[0]))
+            stay = self._holder_that_stays(cost, held, eligible, int(order[0]), num_prompt_tokens)
             if stay is not None:
                 order = np.concatenate(([stay], order[order != stay]))  # the others keep their order
         return cols.ids_at(order) + spill_over(cols, eligible)
 
     def _holder_that_stays(self, cost: np.ndarray, held: dict[int, float], eligible: np.ndarray,
-                           best: int) -> int | None:
-        """Hysteresis: the cheapest eligible holder of the longest cached prefix, when the cheapest
-        eligible worker `best` holds less of it and it costs at most `stay_margin` more; else None."""
+                           best: int, num_prompt_tokens: int) -> int | None:
+        """Hysteresis: the cheapest eligible holder of the longest cached prefix, when that prefix is
+        at least `stay_min_cached` of the prompt, the cheapest eligible worker `best` holds less of
+        it, and the holder costs at most `stay_margin` more; else None."""
         holders = [(tokens, row) for row, tokens in held.items() if eligible[row]]
         if not holders:
             return None
         longest = max(tokens for tokens, _ in holders)
-        if held.get(best, 0.0) >= longest:
+        if held.get(best, 0.0) >= longest or longest < self.weights.stay_min_cached * num_prompt_tokens:
             return None
         stay = min((row for tokens, row in holders if tokens == longest), key=cost.__getitem__)
         return stay if cost[stay] - cost[best] <= self.weights.stay_margin else None

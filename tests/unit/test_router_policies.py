@@ -192,8 +192,9 @@ def test_kv_events_counts_requests_in_flight():
 
 
 def test_kv_events_keeps_the_prefix_holder_within_the_stay_margin():
+    # stay_min_cached=0: the margin for any holder, however short its prefix (see the next test).
     weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
-                          outstanding=0.0, stay_margin=100.0)
+                          outstanding=0.0, stay_margin=100.0, stay_min_cached=0.0)
     p = policy("kv_events", index_with({"w0": 10, "w1": 4}), weights=weights)
     ws = workers(0, 0, 0)
     # w0 costs 2 + queue, w1 2 * 96 = 192, w2 2 * 160 = 320: w0 stays first while its queue is
@@ -211,6 +212,32 @@ def test_kv_events_keeps_the_prefix_holder_within_the_stay_margin():
     full[0].load.running = 1
     full[1].load.waiting_prefill_tokens = 200  # 392 vs w2's 320: within 100
     assert p.rank(REQ, full) == ["w1", "w2", "w0"]
+
+
+def test_kv_events_margin_keeps_only_a_holder_of_most_of_the_prompt():
+    # A holder of 4 of 10 blocks (a short shared prefix, such as a system prompt in front of a new
+    # conversation) gets no margin: the request goes by cost. One of 5 or more blocks keeps it.
+    weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
+                          outstanding=0.0, stay_margin=100.0, stay_min_cached=0.5)
+    short = policy("kv_events", index_with({"w0": 4}), weights=weights)
+    ws = workers(0, 0)
+    ws[0].load.waiting_prefill_tokens = 140  # w0: 2 * 96 + 140 = 332 against w1's 320
+    assert short.rank(REQ, ws) == ["w1", "w0"]
+    half = policy("kv_events", index_with({"w0": 5}), weights=weights)
+    ws[0].load.waiting_prefill_tokens = 260  # w0: 2 * 80 + 260 = 420, within 100 of 320
+    assert half.rank(REQ, ws) == ["w0", "w1"]
+    ws[0].load.waiting_prefill_tokens = 261
+    assert half.rank(REQ, ws) == ["w1", "w0"]
+
+
+def test_kv_events_default_margin_is_one_engine_step_for_a_continuation():
+    p = policy("kv_events", index_with({"w0": 9}))  # the default weights
+    ws = workers(0, 0)
+    # w0 saves 2 * 144 prompt tokens; 8000 queued tokens more is within the 8192 margin.
+    ws[0].load.waiting_prefill_tokens = 8000
+    assert p.rank(REQ, ws)[0] == "w0"
+    ws[0].load.waiting_prefill_tokens = 8192 + 2 * 144 + 1
+    assert p.rank(REQ, ws)[0] == "w1"
 
 
 def test_kv_events_cost_caps_a_full_hit_one_token_short():
