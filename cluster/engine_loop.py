@@ -33,26 +33,47 @@ class LoopStats:
     generation_tokens: int = 0
     finished: int = 0
     errors: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0  # wall time inside Engine.step (its mean shows host-side contention)
+    preemptions: int = 0
+
+
+def engine_info(engine) -> dict:
+    """What the worker tells routers and the ingress about its engine (ModelInfo's fields)."""
+    return {"model_name": engine.model_name, "max_model_len": int(engine.max_model_len),
+            "block_size": int(engine.block_size), "hash_salt": bytes(engine.hash_salt),
+            "eos_token_id": getattr(engine.tokenizer, "eos_token_id", None),
+            "vocab_size": int(engine.model_config.vocab_size)}
 
 
 class EngineLoop:
+    """The engine on a thread of this process (engine_process.py has it in a child process)."""
+
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, ttft_window_s: float = 30.0):
         self.engine = engine
+        self._setup(loop, ttft_window_s, engine.get_load(), engine_info(engine))
+        self._commands: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    def _setup(self, loop: asyncio.AbstractEventLoop, ttft_window_s: float, load: WorkerLoad,
+               info: dict) -> None:
         self.loop = loop
+        self.info = info
         self.stats = LoopStats()
         self.ttft_window_s = ttft_window_s
         self._ttfts: deque[tuple[float, float]] = deque()  # (finish-of-first-token time, ttft)
-        self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}  # only touched on the asyncio loop
-        self._kv_batches: deque[KVEventBatch] = deque()  # engine thread appends, publisher pops
-        self.load: WorkerLoad = engine.get_load()
+        self._kv_batches: deque[KVEventBatch] = deque()  # engine side appends, publisher pops
+        self.load: WorkerLoad = load
         self.on_progress = None  # callable run on the asyncio loop after each step (publisher wake-up)
         self.last_step_end = time.monotonic()
         self.busy_since: float | None = None  # when the current step started (None: not in a step)
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
-        self._thread.start()
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
 
     # ---- asyncio side ------------------------------------------------------------------------
 
@@ -60,16 +81,16 @@ class EngineLoop:
         """Queue a request; its TokenDeltas arrive on the returned queue (the last one finished)."""
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = out
-        self._commands.put(("add", request))
+        self._send(("add", request))
         return out
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
-            self._commands.put(("abort", request_id))
+            self._send(("abort", request_id))
 
     async def snapshot(self) -> KVSnapshot:
         fut = self.loop.create_future()
-        self._commands.put(("snapshot", fut))
+        self._send(("snapshot", fut))
         return await fut
 
     def take_kv_batches(self) -> list[KVEventBatch]:
@@ -134,8 +155,11 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self.busy_since = time.monotonic()
                     deltas = self.engine.step()
-                    self.busy_since = None
                     self.last_step_end = time.monotonic()
+                    self.stats.steps += 1
+                    self.stats.step_seconds += self.last_step_end - self.busy_since
+                    self.stats.preemptions = self.engine.scheduler.num_preemptions
+                    self.busy_since = None
                 batch = self.engine.take_kv_events()
                 if batch is not None:
                     self._kv_batches.append(batch)

@@ -1,5 +1,6 @@
 """The worker deployment: one Serve replica = one Ray actor that owns one GPU (or CPUs in tests)
-and runs one Engine on a dedicated thread (engine_loop.py).
+and runs one Engine in a child process (engine_process.py; `replicas.engine_process: false` runs it on a
+thread of the replica instead, engine_loop.py).
 
 `generate(RoutedRequest)` is an async generator of TokenDeltas; when its caller goes away (client
 disconnect, cancel) the generator is closed and the request is aborted on the engine, freeing its
@@ -38,22 +39,30 @@ def worker_id_of_this_replica() -> str:
 class KVWorker:
     def __init__(self, config: dict):
         from kvmesh.cluster.engine_loop import EngineLoop
-        from kvmesh.worker.engine import Engine
+        from kvmesh.cluster.engine_process import EngineProcessLoop
 
         self.config: ServeConfig = parse_config(config)
         self.worker_id = worker_id_of_this_replica()
         device = self.config.engine.device
+        num_threads = None
         if device == "cpu" or (device == "auto" and not _has_gpu()):
-            import torch
-            torch.set_num_threads(max(1, int(self.config.replicas.num_cpus or 1)))
-        self.engine = Engine(self.config.engine_config(worker_id=self.worker_id))
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(),
-                               ttft_window_s=self.config.autoscaling.window_s)
+            num_threads = max(1, int(self.config.replicas.num_cpus or 1))
+        engine_config = self.config.engine_config(worker_id=self.worker_id)
+        window = self.config.autoscaling.window_s
+        if self.config.replicas.engine_process:
+            self.loop = EngineProcessLoop(engine_config, asyncio.get_running_loop(), ttft_window_s=window,
+                                          num_threads=num_threads)
+        else:
+            from kvmesh.worker.engine import Engine
+            if num_threads:
+                import torch
+                torch.set_num_threads(num_threads)
+            self.loop = EngineLoop(Engine(engine_config), asyncio.get_running_loop(), ttft_window_s=window)
         self._wake = asyncio.Event()
         self.loop.on_progress = self._wake.set
         self.hub = get_or_create_hub(self.config.app_name)
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
-        logger.info("kvmesh worker %s ready: %s", self.worker_id, self.engine.model_name)
+        logger.info("kvmesh worker %s ready: %s", self.worker_id, self.loop.info["model_name"])
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -81,11 +90,9 @@ class KVWorker:
         return known
 
     async def model_info(self) -> ModelInfo:
-        tok = self.engine.tokenizer
-        return ModelInfo(self.engine.model_name, int(self.engine.max_model_len),
-                         int(self.engine.block_size), bytes(self.engine.hash_salt),
-                         getattr(tok, "eos_token_id", None),
-                         int(self.engine.model_config.vocab_size))
+        i = self.loop.info
+        return ModelInfo(i["model_name"], i["max_model_len"], i["block_size"], i["hash_salt"],
+                         i["eos_token_id"], i["vocab_size"])
 
     async def load(self) -> dict:
         return {"worker_id": self.worker_id, "load": self.loop.load, "stats": vars(self.loop.stats)}
@@ -123,7 +130,6 @@ class KVWorker:
     def _stats(self) -> dict:
         s = vars(self.loop.stats).copy()
         s["ttft_p90_s"] = self.loop.ttft_p90()
-        s["preemptions"] = self.engine.scheduler.num_preemptions  # an int: safe to read across threads
         return s
 
     async def _announce(self):

@@ -52,6 +52,7 @@ class ReplicasSection(_Strict):
     num_cpus: float = Field(1, ge=0, description="CPUs reserved per worker replica.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica accepts at once; the router spills over to the next replica beyond it.")
     max_queued_requests: int = Field(1024, ge=-1, description="Requests an ingress may hold waiting for a free worker slot; beyond it new requests get 429 with Retry-After (-1 = no limit).")
+    engine_process: bool = Field(True, description="Run the engine in a child process of the worker replica, so that a model step never waits for Python's GIL held by the replica's event loop while it streams tokens (false: on a thread of the replica).")
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources per worker replica (e.g. {accelerator_type:H200: 0.001}).")
 
 

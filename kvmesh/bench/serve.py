@@ -211,7 +211,32 @@ def bench_url(url: str, args) -> dict:
     model, vocab = served_model(url)
     vocab = args.vocab_size or vocab or 151936
     workload = build_trace(args)
-    return asyncio.run(run_trace(url, workload, args, vocab, model))
+    before = _workers(url)
+    result = asyncio.run(run_trace(url, workload, args, vocab, model))
+    result["workers"] = _worker_deltas(before, _workers(url))
+    return result
+
+
+def _workers(url: str) -> dict[str, dict]:
+    """The cluster's per-worker counters (GET /v1/kvmesh/workers), or {} where it has none."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/v1/kvmesh/workers", timeout=30) as resp:
+            return {w["worker"]: w for w in json.load(resp)["workers"]}
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _worker_deltas(before: dict, after: dict) -> dict[str, dict]:
+    """Requests and output tokens each worker served during the run, and its mean step time."""
+    out = {}
+    for worker_id, a in after.items():
+        b = before.get(worker_id, {})
+        out[worker_id] = {"requests": a.get("requests", 0) - b.get("requests", 0),
+                          "tokens_out": a.get("tokens_out", 0) - b.get("tokens_out", 0),
+                          "step_ms": a.get("step_ms", 0.0), "hit_rate": a.get("hit_rate", 0.0)}
+    return out
 
 
 def format_table(rows: dict[str, dict]) -> str:
@@ -244,6 +269,11 @@ def run(args) -> int:
     else:
         rows["served"] = bench_url(args.url.rstrip("/"), args)
     print(format_table(rows))
+    for name, r in rows.items():
+        per_worker = ", ".join(f"{w}: {v['requests']} req, step {v['step_ms']:.1f} ms"
+                               for w, v in sorted(r.get("workers", {}).items()))
+        if per_worker:
+            print(f"  {name} workers: {per_worker}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "handler"},

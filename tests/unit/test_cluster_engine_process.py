@@ -1,0 +1,109 @@
+"""The engine in a child process (cluster/engine_process.py): a real Engine (tiny random model) in
+its own interpreter, driven over a socket pair. Same asyncio-side contract as the in-process loop:
+streams, aborts, snapshots, KV event batches, load and counters; a dead engine process fails its
+streams and the health check; a stopped or orphaned one exits."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvmesh.cluster.engine_process import EngineProcessLoop
+from kvmesh.config import EngineConfig
+from kvmesh.protocol import EngineRequest, KVSnapshot
+from kvmesh.sampling_params import SamplingParams
+
+CONFIG = EngineConfig(model="random:tiny-llama", device="cpu", worker_id="w0")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+async def _drain(queue):
+    deltas = []
+    while True:
+        d = await queue.get()
+        deltas.append(d)
+        if d.finished:
+            return deltas
+
+
+def test_streams_aborts_snapshots_and_counts_like_the_in_process_loop():
+    from kvmesh.cluster.engine_loop import EngineLoop
+    from kvmesh.worker.engine import Engine
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    async def main(make):
+        loop = make(asyncio.get_running_loop())
+        try:
+            assert loop.info["model_name"] and loop.info["block_size"] == 16 and loop.info["vocab_size"] == 512
+            deltas = await _drain(loop.submit(EngineRequest("r1", list(range(40)), params)))
+            tokens = [t for d in deltas for t in d.token_ids]
+            batches = loop.take_kv_batches()
+            assert batches and [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
+            snap = await loop.snapshot()
+            assert isinstance(snap, KVSnapshot) and snap.seq == batches[-1].seq and len(snap.block_hashes) >= 2
+            bad = await _drain(loop.submit(EngineRequest("bad", list(range(10_000)), params)))
+            assert bad[-1].finish_reason == "error" and "invalid_request" in bad[-1].error
+            long = loop.submit(EngineRequest("long", list(range(20)), SamplingParams(max_tokens=5000, ignore_eos=True)))
+            await long.get()
+            loop.abort("long")
+            while loop.load.running or loop.load.waiting:  # the engine reports the abort within a step or two
+                await asyncio.sleep(0.01)
+            assert loop.stats.steps > 0 and loop.stats.step_seconds > 0 and loop.ttft_p90() > 0
+            assert loop.is_alive() and loop.stalled_for() == 0.0
+            counters = {k: v for k, v in vars(loop.stats).items() if k not in ("steps", "step_seconds")}
+            return tokens, counters, loop.load.kv_free_blocks
+        finally:
+            loop.stop()
+
+    in_child = run(main(lambda ev: EngineProcessLoop(CONFIG, ev, num_threads=1)))
+    in_thread = run(main(lambda ev: EngineLoop(Engine(CONFIG), ev)))
+    assert in_child == in_thread
+    tokens, counters, _ = in_child
+    assert len(tokens) == 6 and counters["requests"] == 2 and counters["errors"] == 1
+
+
+def test_a_dead_engine_process_fails_its_streams_and_the_health_check():
+    async def main():
+        loop = EngineProcessLoop(CONFIG, asyncio.get_running_loop(), num_threads=1)
+        try:
+            out = loop.submit(EngineRequest("r", list(range(20)), SamplingParams(max_tokens=100_000, ignore_eos=True)))
+            await out.get()
+            os.kill(loop._proc.pid, signal.SIGKILL)
+            last = await _drain(out)
+            assert last[-1].finish_reason == "error" and "engine loop died" in last[-1].error
+            assert not loop.is_alive()
+        finally:
+            loop.stop()
+    run(main())
+
+
+def test_an_engine_process_exits_when_its_replica_goes_away():
+    """The child's end of the socket sees EOF when the replica dies (here: the parent end closes)."""
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cluster.engine_process", str(child.fileno())],
+                            pass_fds=(child.fileno(),))
+    child.close()
+    from multiprocessing.connection import Connection
+
+    conn = Connection(parent.detach())
+    conn.send(("config", (CONFIG, 1)))
+    assert conn.poll(120) and conn.recv()[0] == "ready"
+    conn.close()
+    assert proc.wait(timeout=30) == 0
+
+
+def test_an_engine_that_cannot_start_says_why():
+    async def main():
+        bad = EngineConfig(model="random:no-such-preset", device="cpu")
+        with pytest.raises(RuntimeError, match="no-such-preset"):
+            EngineProcessLoop(bad, asyncio.get_running_loop())
+    run(main())
