@@ -156,12 +156,18 @@ class KVIndex:
     def _store(self, entry: _WorkerEntry, hashes: Iterable[int]) -> None:
         bit = 1 << entry.slot
         blocks, mine = self._blocks, entry.blocks
+        # The blocks of a chain mostly have the same holders: they share one mask object (its old
+        # value -> new value is computed once per run), which keeps the masks a walk reads in cache
+        # and stores one 1024-bit int per run instead of one per block.
+        old = new = None
         for h in hashes:
             mask = blocks.get(h)
             if mask is None:
                 blocks[h] = bit
             else:
-                blocks[h] = mask | bit
+                if mask is not old:
+                    old, new = mask, mask | bit
+                blocks[h] = new
                 blocks.move_to_end(h)
             mine.add(h)
         while len(blocks) > self.max_blocks:
@@ -170,12 +176,15 @@ class KVIndex:
     def _remove(self, entry: _WorkerEntry, hashes: Iterable[int]) -> None:
         clear = ~(1 << entry.slot)
         blocks, mine = self._blocks, entry.blocks
+        old = new = None  # shared masks stay shared (see _store)
         for h in hashes:
             if h in mine:
                 mine.discard(h)
-                mask = blocks[h] & clear
-                if mask:
-                    blocks[h] = mask
+                mask = blocks[h]
+                if mask is not old:
+                    old, new = mask, mask & clear
+                if new:
+                    blocks[h] = new
                 else:
                     del blocks[h]
 
@@ -253,8 +262,12 @@ class KVIndex:
     def approx_bytes(self) -> int:
         """Memory the index holds, from sys.getsizeof of its containers and entries (O(blocks))."""
         total = sys.getsizeof(self._blocks)  # includes the OrderedDict's linked-list nodes
+        masks: dict[int, int] = {}  # id -> size: a mask object shared by many blocks counts once
         for h, mask in self._blocks.items():
-            total += sys.getsizeof(h) + (sys.getsizeof(mask) if mask > 255 else 0)  # small ints are shared
+            total += sys.getsizeof(h)
+            if mask > 255:  # small ints are shared by the interpreter
+                masks[id(mask)] = sys.getsizeof(mask)
+        total += sum(masks.values())
         for entry in self._workers.values():
             total += sys.getsizeof(entry.blocks) + sys.getsizeof(entry)
         return total

@@ -1,8 +1,10 @@
 """kv_events (the default): lowest cost wins, where cost = new prefill tokens after the overlap the
 workers' own KV events report + weighted load (kvmesh.router.cost), with hysteresis: when that
 prefix is at least `weights.stay_min_cached` of the prompt (a continuation), the cheapest worker
-holding it keeps the request unless another one is cheaper by more than `weights.stay_margin`. Ties are broken at random; with a temperature > 0 the first choice is sampled
-from softmax(-cost / (temperature * prompt tokens)).
+holding it keeps the request unless another one is cheaper by more than `weights.stay_margin`.
+Blocks this policy has just sent to a worker count as that worker's until its events show them
+(kvmesh.router.pending: a prefix in flight is not yet in the index). Ties are broken at random; with
+a temperature > 0 the first choice is sampled from softmax(-cost / (temperature * prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
 """
 
@@ -12,6 +14,7 @@ import numpy as np
 
 from kvmesh.router.cost import CostWeights, worker_costs
 from kvmesh.router.index import KVIndex
+from kvmesh.router.pending import PendingPrefixes
 from kvmesh.router.policies.base import Policy, RouteRequest, order_by_score, rank_by_score, spill_over
 from kvmesh.router.workers import WorkerState, columns_of
 
@@ -20,34 +23,62 @@ class KVEventsPolicy(Policy):
     name = "kv_events"
 
     def __init__(self, index: KVIndex, block_size: int = 16, weights: CostWeights | None = None,
-                 temperature: float = 0.0, seed: int | None = None):
+                 temperature: float = 0.0, seed: int | None = None, pending_requests: int = 4096):
+        """`pending_requests`: how many routed requests to remember as in flight (0: none, the index
+        alone)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if pending_requests < 0:
+            raise ValueError(f"pending_requests must be >= 0, got {pending_requests}")
         self.index = index
         self.block_size = block_size
         self.weights = weights or CostWeights()
         self.temperature = temperature
+        self.pending = PendingPrefixes(pending_requests) if pending_requests else None
         self._rng = np.random.default_rng(seed)
+
+    def remove_worker(self, worker_id: str) -> None:
+        if self.pending is not None:
+            self.pending.forget_worker(worker_id)
 
     def cached_tokens(self, request: RouteRequest, cols) -> np.ndarray:
         return self._holdings(request, cols)[0]
 
-    def _holdings(self, request: RouteRequest, cols) -> tuple[np.ndarray, dict[int, float]]:
-        """([n] cached prompt tokens per row, {row: cached tokens} for the rows holding any)."""
+    def _holdings(self, request: RouteRequest, cols) -> tuple[np.ndarray, dict[int, float], dict[str, int]]:
+        """([n] cached prompt tokens per row, {row: cached tokens} for the rows holding any,
+        {worker: leading blocks the index shows})."""
         cached = np.zeros(len(cols.ids), dtype=np.float64)
         held: dict[int, float] = {}
         # At least one prompt token is always computed (the block manager caps its hits the same way).
         limit = max(request.num_prompt_tokens - 1, 0)
-        for wid, blocks in self.index.overlap(request.block_hashes).items():
+        hashes = request.block_hashes
+        overlaps = self.index.overlap(hashes)
+        for wid, blocks in overlaps.items():
             row = cols.row(wid)
             if row is not None:
                 held[row] = cached[row] = min(blocks * self.block_size, limit)
-        return cached, held
+        if self.pending is not None:
+            # A prefix in flight continues the longest one the index shows (or starts from scratch)
+            # on the worker it was sent to.
+            longest = max(overlaps.values(), default=0)
+            wid, extra = self.pending.continuation(hashes, longest)
+            if wid is not None and overlaps.get(wid, 0) == longest:
+                row = cols.row(wid)
+                if row is not None:
+                    held[row] = cached[row] = min((longest + extra) * self.block_size, limit)
+        return cached, held, overlaps
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
+        ranked, overlaps = self._rank(request, workers)
+        if ranked and self.pending is not None:  # the first is the one used (Policy's contract)
+            self.pending.record(request.block_hashes, overlaps.get(ranked[0], 0), ranked[0])
+        return ranked
+
+    def _rank(self, request: RouteRequest,
+              workers: Sequence[WorkerState]) -> tuple[list[str], dict[str, int]]:
         num_prompt_tokens = request.num_prompt_tokens
         cols = columns_of(workers)
-        cached, held = self._holdings(request, cols)
+        cached, held, overlaps = self._holdings(request, cols)
         cost = worker_costs(num_prompt_tokens, cached, cols, self.weights)
         use_margin = bool(held) and self.weights.stay_margin > 0
         if self.temperature > 0:
@@ -57,14 +88,15 @@ class KVEventsPolicy(Policy):
                 stay = self._holder_that_stays(cost, held, eligible, best, num_prompt_tokens)
                 if stay is not None:
                     cost[stay] = np.nextafter(cost[best], -np.inf)
-            return rank_by_score(self._sampled_first(cost, cols, num_prompt_tokens), cols, self._rng)
+            ranked = rank_by_score(self._sampled_first(cost, cols, num_prompt_tokens), cols, self._rng)
+            return ranked, overlaps
         # The hysteresis is applied to the sorted order (not as another pass over every worker).
         order, eligible = order_by_score(cost, cols, self._rng)
         if use_margin and len(order) > 1:
             stay = self._holder_that_stays(cost, held, eligible, int(order[0]), num_prompt_tokens)
             if stay is not None:
                 order = np.concatenate(([stay], order[order != stay]))  # the others keep their order
-        return cols.ids_at(order) + spill_over(cols, eligible)
+        return cols.ids_at(order) + spill_over(cols, eligible), overlaps
 
     def _holder_that_stays(self, cost: np.ndarray, held: dict[int, float], eligible: np.ndarray,
                            best: int, num_prompt_tokens: int) -> int | None:

@@ -151,3 +151,21 @@ def test_overlap_matches_a_brute_force_count_on_random_holdings():
             if n:
                 expected[wid] = n
         assert index.overlap(query) == expected
+
+
+def test_a_chain_stored_by_the_same_workers_shares_one_mask_object():
+    # 600 workers: masks are multi-digit ints, one object per distinct holder set and run, not per
+    # block (the walk reads fewer objects; a 1M-block index at 1024 workers stores far fewer ints).
+    index = KVIndex()
+    for k in range(600):
+        index.add_worker(f"w{k}")
+    index.apply(batch("w599", 0, stored(H)))
+    index.apply(batch("w300", 0, stored(H)))
+    index.apply(batch("w7", 0, stored(H[:3])))
+    masks = [index._blocks[h] for h in H]
+    assert masks[0] is masks[1] is masks[2] and masks[3] is masks[4] and masks[2] is not masks[3]
+    assert index.overlap(H) == {"w599": 5, "w300": 5, "w7": 3}
+    index.apply(batch("w300", 1, BlockRemoved(block_hashes=list(H))))  # removal keeps them shared
+    masks = [index._blocks[h] for h in H]
+    assert masks[0] is masks[1] is masks[2] and masks[3] is masks[4]
+    assert index.overlap(H) == {"w599": 5, "w7": 3}

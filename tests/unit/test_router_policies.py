@@ -219,11 +219,12 @@ def test_kv_events_margin_keeps_only_a_holder_of_most_of_the_prompt():
     # conversation) gets no margin: the request goes by cost. One of 5 or more blocks keeps it.
     weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
                           outstanding=0.0, stay_margin=100.0, stay_min_cached=0.5)
-    short = policy("kv_events", index_with({"w0": 4}), weights=weights)
+    # pending_requests=0: the index alone (a repeated request would otherwise follow the first, in flight).
+    short = policy("kv_events", index_with({"w0": 4}), weights=weights, pending_requests=0)
     ws = workers(0, 0)
     ws[0].load.waiting_prefill_tokens = 140  # w0: 2 * 96 + 140 = 332 against w1's 320
     assert short.rank(REQ, ws) == ["w1", "w0"]
-    half = policy("kv_events", index_with({"w0": 5}), weights=weights)
+    half = policy("kv_events", index_with({"w0": 5}), weights=weights, pending_requests=0)
     ws[0].load.waiting_prefill_tokens = 260  # w0: 2 * 80 + 260 = 420, within 100 of 320
     assert half.rank(REQ, ws) == ["w0", "w1"]
     ws[0].load.waiting_prefill_tokens = 261
@@ -231,13 +232,41 @@ def test_kv_events_margin_keeps_only_a_holder_of_most_of_the_prompt():
 
 
 def test_kv_events_default_margin_is_one_engine_step_for_a_continuation():
-    p = policy("kv_events", index_with({"w0": 9}))  # the default weights
+    p = policy("kv_events", index_with({"w0": 9}), pending_requests=0)  # the default weights
     ws = workers(0, 0)
     # w0 saves 2 * 144 prompt tokens; 8000 queued tokens more is within the 8192 margin.
     ws[0].load.waiting_prefill_tokens = 8000
     assert p.rank(REQ, ws)[0] == "w0"
     ws[0].load.waiting_prefill_tokens = 8192 + 2 * 144 + 1
     assert p.rank(REQ, ws)[0] == "w1"
+
+
+def test_kv_events_sends_a_prefix_in_flight_to_the_worker_computing_it():
+    # Nothing in the index yet: the first request's blocks are still being computed where it went.
+    p = policy("kv_events")
+    ws = workers(0, 0, 0)
+    first = p.rank(REQ, ws)[0]
+    row = int(first[1:])
+    ws[row].load.waiting_prefill_tokens = len(PROMPT)  # its report now shows the queued prompt
+    sibling = block_hashes(PROMPT[:8 * B] + [7] * (2 * B), B)  # same 8 leading blocks, new suffix
+    # Credited with 128 in-flight tokens: 2 * 32 + 160 = 224 against 320 for the others.
+    assert p.rank(RouteRequest(sibling, len(PROMPT)), ws)[0] == first
+    # Without the record, the queued prompt sends the sibling elsewhere.
+    index_only = policy("kv_events", pending_requests=0)
+    assert index_only.rank(RouteRequest(sibling, len(PROMPT)), ws)[0] != first
+
+
+def test_kv_events_in_flight_blocks_continue_what_the_index_shows():
+    p = policy("kv_events", index_with({"w0": 4, "w1": 4}))
+    ws = workers(0, 0, 0)
+    ws[1].load.waiting_prefill_tokens = 1  # w0 is cheaper and takes the request
+    assert p.rank(REQ, ws)[0] == "w0"
+    ws[0].load.waiting_prefill_tokens = 200  # from the index alone w0 costs 2 * 96 + 200 = 392, w1 193
+    # w0 is computing blocks 4-9 of this prompt: credited with 159 tokens (2 * 1 + 200 = 202), it
+    # holds most of the prompt and stays within the margin.
+    assert p.rank(REQ, ws)[0] == "w0"
+    p.remove_worker("w0")  # a worker that left keeps no in-flight record
+    assert len(p.pending) == 0
 
 
 def test_kv_events_cost_caps_a_full_hit_one_token_short():
@@ -253,7 +282,7 @@ def make_cols(ws):
 
 
 def test_kv_events_breaks_ties_at_random():
-    p = policy("kv_events")
+    p = policy("kv_events", pending_requests=0)  # else the repeated prompt follows the first, in flight
     firsts = collections.Counter(p.rank(REQ, workers(0, 0, 0, 0))[0] for _ in range(400))
     assert set(firsts) == {"w0", "w1", "w2", "w3"}
 
