@@ -13,9 +13,7 @@ costs O(its blocks). Not thread-safe: `Router` holds the lock.
 """
 
 import sys
-from itertools import accumulate, repeat, takewhile
-from operator import and_
-from bisect import bisect_left
+from itertools import groupby, repeat, takewhile
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -226,28 +224,27 @@ class KVIndex:
                     alive |= 1 << entry.slot
         if not alive or not block_hashes:
             return {}
-        # running[i] = workers holding blocks 0..i-1 (running[0] = alive). The loop runs in C (map,
-        # accumulate, takewhile) and stops looking blocks up at the first one no worker holds. A
-        # subset's bitmask is never larger than its superset's, so `running` is non-increasing and
-        # each worker's drop-out point is found by bisection.
-        masks = map(self._blocks.get, block_hashes, repeat(0, len(block_hashes)))
-        running = list(takewhile(bool, accumulate(masks, and_, initial=alive)))
-        num_leading = len(running) - 1
+        # The lookups run in C (map, takewhile) and stop at the first block no worker holds. Then the
+        # walk goes by runs of one mask, not block by block: a chain's blocks share their mask
+        # object (see _store), so groupby's comparisons are identity checks, and the holder set can
+        # only shrink at a run's boundary (a worker missing block i cannot count blocks after it).
+        masks = list(takewhile(bool, map(self._blocks.get, block_hashes, repeat(0, len(block_hashes)))))
         result: dict[str, int] = {}
-        if not num_leading:
+        if not masks:
             return result
         owner = self._slot_owner
-        prev, i = alive, 1
-        while i <= num_leading:
-            current = running[i]
-            if current != prev:
-                if i > 1:  # workers that held blocks 0..i-2 but not block i-1
-                    for slot in _bits(prev & ~current):
-                        result[owner[slot]] = i - 1
-                prev = current
-            # the next index whose mask is smaller than `current`
-            i = bisect_left(running, True, lo=i, hi=num_leading + 1, key=current.__gt__)
-        for slot in _bits(prev):
+        running, num_leading = alive, 0  # workers holding every block so far; blocks so far
+        for mask, run in groupby(masks):
+            held = running & mask
+            if held != running:
+                if num_leading:  # workers that held blocks 0..num_leading-1 but not this run
+                    for slot in _bits(running & ~held):
+                        result[owner[slot]] = num_leading
+                running = held
+                if not running:
+                    return result
+            num_leading += len(list(run))
+        for slot in _bits(running):
             result[owner[slot]] = num_leading
         return result
 
