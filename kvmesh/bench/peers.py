@@ -47,10 +47,19 @@ def write_random_model_dir(path: str, preset: str = PEER_PRESET, seed: int = 0) 
 
 
 def run_peer(name: str, workload, args) -> dict:
-    """Run a peer in a child process; returns its measurements or {"error": ...}."""
-    model_dir = os.environ.get("KVMESH_PEER_MODEL_DIR", os.path.join(tempfile.gettempdir(), "kvmesh-peer-qwen3-0.6b"))
-    write_random_model_dir(model_dir)
+    """Run a peer in a child process; returns its measurements or {"error": ...}. The peer gets the
+    benchmark's model shape when that is a `random:` preset (random weights of its own), else
+    Qwen3-0.6B's."""
+    model = getattr(args, "model", "") or ""
+    preset = model.split(":", 1)[1] if model.startswith("random:") else PEER_PRESET
+    model_dir = os.environ.get("KVMESH_PEER_MODEL_DIR",
+                               os.path.join(tempfile.gettempdir(), f"kvmesh-peer-{preset}"))
+    write_random_model_dir(model_dir, preset)
     prompts, max_tokens = workload.prompts, workload.max_tokens
+    from kvmesh.worker.presets import hf_config_for
+    vocab = hf_config_for(preset).vocab_size
+    if vocab <= 10000:  # tiny presets: fold the token ids into the vocabulary, as the benchmark does
+        prompts = [[t % vocab for t in p] for p in prompts]
     if name == "transformers" and args.peer_num_prompts:
         prompts, max_tokens = prompts[:args.peer_num_prompts], max_tokens[:args.peer_num_prompts]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -91,8 +100,9 @@ def _transformers(spec: dict, model_dir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                 attn_implementation="paged|sdpa").cuda().eval()
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                 attn_implementation="paged|sdpa").to("cuda" if cuda else "cpu").eval()
     # generate_batch takes one generation config for all prompts: each gets the workload's mean
     # max_tokens (the same total within rounding); throughput counts the tokens actually made.
     mean_tokens = round(sum(spec["max_tokens"]) / len(spec["max_tokens"]))
@@ -104,6 +114,8 @@ def _transformers(spec: dict, model_dir: str) -> dict:
     outs = model.generate_batch(inputs=spec["prompts"], generation_config=config)
     seconds = time.perf_counter() - start
     made = sum(len(o.generated_tokens) for o in outs.values())
+    if not made:  # generate_batch reports a failed request as an empty one
+        raise RuntimeError(f"transformers generate_batch produced no tokens for {len(outs)} requests")
     return _result("transformers generate_batch (paged|sdpa)", spec, seconds, made, mean_tokens)
 
 

@@ -82,6 +82,19 @@ def auth(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+class ReplicaProcesses:
+    """A worker replica's actor process and its engine process (cluster/engine_process.py),
+    signalled together: a slow or stalled replica is slow in both."""
+
+    def __init__(self, pid: int):
+        actor = psutil.Process(pid)
+        self.procs = [actor] + actor.children(recursive=True)
+
+    def send_signal(self, sig) -> None:
+        for p in self.procs:
+            p.send_signal(sig)
+
+
 def worker_pids(cluster) -> dict[str, int]:
     """Worker replica id -> process id, read from Serve's request log lines in the cluster's log
     ("(ServeReplica:<app>:KVWorker pid=N) ... <app>_KVWorker <replica id> ..."): only replicas

@@ -30,7 +30,8 @@ from kvmesh.cluster.local import LocalCluster
 from kvmesh.cluster.routing_state import STALE_LOAD_S
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from reliability_support import http, metrics, per_worker, ray_processes, wait_until, worker_pids
+from reliability_support import (ReplicaProcesses, http, metrics, per_worker, ray_processes, wait_until,
+                                 worker_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +149,7 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
     pids = worker_pids(cluster)
     live = set(free_blocks(cluster))
     slow_id = sorted(live & set(pids))[0]
-    slow = psutil.Process(pids[slow_id])
+    slow = ReplicaProcesses(pids[slow_id])
     stop = threading.Event()
 
     def throttle():  # ~95% of the time stopped: a replica on a sick or overloaded machine
@@ -180,7 +181,7 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
 def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     pids = worker_pids(cluster)
     stalled_id = sorted(set(free_blocks(cluster)) & set(pids))[0]
-    stalled = psutil.Process(pids[stalled_id])
+    stalled = ReplicaProcesses(pids[stalled_id])
     stall_s = 10.0
     stalled.send_signal(signal.SIGSTOP)
     stalled_at = time.monotonic()

@@ -36,6 +36,18 @@ def test_offline_smoke(capsys):
     assert r["steps"] >= max(expected.max_tokens)  # one step per output token of the longest request
 
 
+def test_offline_runs_the_transformers_peer_on_the_same_workload(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMESH_PEER_MODEL_DIR", str(tmp_path / "peer"))
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "3", "--max-input-len", "24",
+                          "--max-output-len", "12", "--min-len", "4", "--peer", "transformers", "--json"])
+    peer = r["peers"]["transformers"]
+    assert "error" not in peer, peer.get("error")
+    expected = nano_vllm_workload(3, 24, 12, 4)
+    each = peer["max_tokens_each"]  # generate_batch takes one max_new_tokens: the workload's mean
+    assert each == round(expected.num_output_tokens / 3) and peer["output_tokens"] == 3 * each
+    assert peer["num_prompts"] == 3 and peer["output_tok_per_s"] > 0 and peer["kvmesh_speedup"] > 0
+
+
 def test_latency_smoke(capsys):
     r = run_json(capsys, ["bench", "latency", *TINY, "--prompt-len", "32", "--decode-prompt-len", "8",
                           "--output-len", "6", "--repeats", "2", "--json"])
