@@ -21,7 +21,6 @@ import threading
 import time
 
 import grpc
-import psutil
 import pytest
 import yaml
 
