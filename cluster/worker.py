@@ -70,13 +70,17 @@ class KVWorker:
         request = EngineRequest(routed.request_id, list(routed.prompt_token_ids),
                                 routed.sampling_params, routed.arrival_time or time.time())
         stream = self.loop.submit(request)
-        finished = False
+        interval = self.config.server.stream_interval
+        finished, sent_first = False, False
         try:
             while True:
                 # Everything the engine produced since the last read goes out as one item: at
-                # high load a stream item per token per step would cost more than the step.
+                # high load a stream item per token per step would cost more than the step. After
+                # the first token, an item waits for `stream_interval` tokens (or the finish).
                 delta = coalesce(await stream.get(), stream)
-                finished = delta.finished
+                while sent_first and not delta.finished and len(delta.token_ids) < interval:
+                    delta = coalesce(delta.followed_by(await stream.get()), stream)
+                finished, sent_first = delta.finished, sent_first or bool(delta.token_ids)
                 yield delta
                 if finished:
                     return

@@ -95,6 +95,7 @@ class ServerSection(_Strict):
     """Listening addresses of Serve's HTTP and gRPC proxies."""
 
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 to accept remote clients).")
+    stream_interval: int = Field(1, ge=1, le=1024, description="Tokens per streamed chunk after the first token, which always goes out at once (1 = every step's tokens as they come; larger values send fewer, bigger chunks through Serve, as vLLM's and SGLang's --stream-interval).")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (kvmesh.v1.Generation); 0 disables gRPC.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication (the KVMESH_API_KEYS environment variable of the ingress adds more, e.g. from a Kubernetes Secret).")

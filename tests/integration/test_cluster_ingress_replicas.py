@@ -1,6 +1,6 @@
 """Two ingress replicas (two router copies) in front of two CPU workers with small request limits:
 every copy routes a shared prefix to the worker holding it, and an overload is answered with 429
-and Retry-After instead of waiting without bound."""
+and Retry-After instead of waiting without bound. The workers stream 4 tokens per chunk."""
 
 import concurrent.futures as cf
 import json
@@ -26,6 +26,7 @@ def cluster(tmp_path_factory):
         "replicas": {"num_replicas": 2, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 2,
                      "max_queued_requests": 1},
         "routing": {"policy": "kv_events", "ingress_replicas": 2},
+        "server": {"stream_interval": 4},
     }))
     with LocalCluster([], config=str(config)) as c:
         yield c
@@ -43,6 +44,30 @@ def post(cluster, body, timeout=120):
             return e.code, json.loads(raw), e.headers
         except ValueError:
             return e.code, {"raw": raw.decode(errors="replace")}, e.headers
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_chunks_of_four(cluster):
+    body = {"model": MODEL, "prompt": "Count the waves.", "max_tokens": 18, "temperature": 0,
+            "ignore_eos": True}
+    status, whole, _ = post(cluster, body)
+    assert status == 200
+    req = urllib.request.Request(cluster.http_url + "/v1/completions",
+                                 json.dumps({**body, "stream": True, "logprobs": 0}).encode(),
+                                 {"Content-Type": "application/json"})
+    sizes, text = [], ""
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                sizes.append(len(choice["logprobs"]["tokens"]) if choice.get("logprobs") else 0)
+    sizes = [n for n in sizes if n]
+    assert text == whole["choices"][0]["text"]
+    # the first chunk is not held back (it has more than one token only when the worker fell
+    # behind the engine); then chunks of at least 4, and the last is what is left
+    assert sum(sizes) == 18 and len(sizes) <= 1 + 17 // 4 + 1, sizes
+    assert all(n >= 4 for n in sizes[1:-1]), sizes
 
 
 def test_every_router_copy_sends_a_cached_prefix_to_its_worker(cluster):
