@@ -2,9 +2,10 @@
 workers' own KV events report + weighted load (kvmesh.router.cost), with hysteresis: when that
 prefix is at least `weights.stay_min_cached` of the prompt (a continuation), the cheapest worker
 holding it keeps the request unless another one is cheaper by more than `weights.stay_margin`.
-Blocks this policy has just sent to a worker count as that worker's until its events show them
-(kvmesh.router.pending: a prefix in flight is not yet in the index). Ties are broken at random; with
-a temperature > 0 the first choice is sampled from softmax(-cost / (temperature * prompt tokens)).
+A worker computing a prefix this policy has just sent it (kvmesh.router.pending: in flight, not yet
+in the index) is credited with a copy saved (`weights.in_flight` per token). Ties are broken at
+random; with a temperature > 0 the first choice is sampled from softmax(-cost / (temperature *
+prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
 """
 
@@ -51,22 +52,28 @@ class KVEventsPolicy(Policy):
         held: dict[int, float] = {}
         # At least one prompt token is always computed (the block manager caps its hits the same way).
         limit = max(request.num_prompt_tokens - 1, 0)
-        hashes = request.block_hashes
-        overlaps = self.index.overlap(hashes)
+        overlaps = self.index.overlap(request.block_hashes)
         for wid, blocks in overlaps.items():
             row = cols.row(wid)
             if row is not None:
                 held[row] = cached[row] = min(blocks * self.block_size, limit)
-        if self.pending is not None:
-            # A prefix in flight continues the longest one the index shows (or starts from scratch)
-            # on the worker it was sent to.
-            longest = max(overlaps.values(), default=0)
-            wid, extra = self.pending.continuation(hashes, longest)
-            if wid is not None and overlaps.get(wid, 0) == longest:
-                row = cols.row(wid)
-                if row is not None:
-                    held[row] = cached[row] = min((longest + extra) * self.block_size, limit)
         return cached, held, overlaps
+
+    def _in_flight(self, request: RouteRequest, cols, overlaps: dict[str, int]) -> tuple[int, float] | None:
+        """(row, prompt tokens) the worker of that row is computing for an earlier request, past
+        what the index shows it holds; None when no record continues the longest indexed prefix."""
+        if self.pending is None:
+            return None
+        longest = max(overlaps.values(), default=0)
+        wid, extra = self.pending.continuation(request.block_hashes, longest)
+        if wid is None or overlaps.get(wid, 0) != longest:
+            return None
+        row = cols.row(wid)
+        if row is None:
+            return None
+        limit = max(request.num_prompt_tokens - 1, 0)
+        tokens = min((longest + extra) * self.block_size, limit) - min(longest * self.block_size, limit)
+        return (row, tokens) if tokens > 0 else None
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         ranked, overlaps = self._rank(request, workers)
@@ -80,6 +87,9 @@ class KVEventsPolicy(Policy):
         cols = columns_of(workers)
         cached, held, overlaps = self._holdings(request, cols)
         cost = worker_costs(num_prompt_tokens, cached, cols, self.weights)
+        in_flight = self._in_flight(request, cols, overlaps)
+        if in_flight is not None:
+            cost[in_flight[0]] -= self.weights.in_flight * in_flight[1]
         use_margin = bool(held) and self.weights.stay_margin > 0
         if self.temperature > 0:
             eligible = cols.eligible

@@ -241,31 +241,40 @@ def test_kv_events_default_margin_is_one_engine_step_for_a_continuation():
     assert p.rank(REQ, ws)[0] == "w1"
 
 
-def test_kv_events_sends_a_prefix_in_flight_to_the_worker_computing_it():
-    # Nothing in the index yet: the first request's blocks are still being computed where it went.
-    p = policy("kv_events")
-    ws = workers(0, 0, 0)
-    first = p.rank(REQ, ws)[0]
-    row = int(first[1:])
-    ws[row].load.waiting_prefill_tokens = len(PROMPT)  # its report now shows the queued prompt
-    sibling = block_hashes(PROMPT[:8 * B] + [7] * (2 * B), B)  # same 8 leading blocks, new suffix
-    # Credited with 128 in-flight tokens: 2 * 32 + 160 = 224 against 320 for the others.
-    assert p.rank(RouteRequest(sibling, len(PROMPT)), ws)[0] == first
-    # Without the record, the queued prompt sends the sibling elsewhere.
-    index_only = policy("kv_events", pending_requests=0)
-    assert index_only.rank(RouteRequest(sibling, len(PROMPT)), ws)[0] != first
+IN_FLIGHT = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
+                        outstanding=0.0, stay_margin=0.0, in_flight=1.0)
+
+
+def test_kv_events_credits_the_worker_computing_a_prefix_in_flight_with_a_copy_saved():
+    sibling = RouteRequest(block_hashes(PROMPT[:8 * B] + [7] * (2 * B), B), len(PROMPT))  # 8 blocks shared
+
+    def sibling_goes_to_first(queue: int, **kw) -> bool:
+        # Nothing in the index yet: the first request's blocks are still being computed where it went.
+        p = policy("kv_events", weights=IN_FLIGHT, **kw)
+        ws = workers(0, 0, 0)
+        first = p.rank(REQ, ws)[0]
+        ws[int(first[1:])].load.waiting_prefill_tokens = queue
+        return p.rank(sibling, ws)[0] == first
+
+    # The others cost 2 * 160 = 320; the first's worker 320 + its queue - 1 * 128 in-flight tokens
+    # (the copy is saved, not the delay: it computes them again alongside).
+    assert sibling_goes_to_first(127)
+    assert not sibling_goes_to_first(129)
+    # Without the record, any queue sends the sibling elsewhere.
+    assert not sibling_goes_to_first(1, pending_requests=0)
 
 
 def test_kv_events_in_flight_blocks_continue_what_the_index_shows():
-    p = policy("kv_events", index_with({"w0": 4, "w1": 4}))
+    p = policy("kv_events", index_with({"w0": 4, "w1": 4}), weights=IN_FLIGHT)
     ws = workers(0, 0, 0)
     ws[1].load.waiting_prefill_tokens = 1  # w0 is cheaper and takes the request
     assert p.rank(REQ, ws)[0] == "w0"
-    ws[0].load.waiting_prefill_tokens = 200  # from the index alone w0 costs 2 * 96 + 200 = 392, w1 193
-    # w0 is computing blocks 4-9 of this prompt: credited with 159 tokens (2 * 1 + 200 = 202), it
-    # holds most of the prompt and stays within the margin.
+    # w0 is computing blocks 4-9 (95 more prompt tokens): 2 * 96 + queue - 95 against w1's 193.
+    ws[0].load.waiting_prefill_tokens = 95
     assert p.rank(REQ, ws)[0] == "w0"
-    p.remove_worker("w0")  # a worker that left keeps no in-flight record
+    ws[0].load.waiting_prefill_tokens = 97
+    assert p.rank(REQ, ws)[0] == "w1"  # which now is the one computing blocks 4-9 (the latest record)
+    p.remove_worker("w1")  # a worker that left keeps no in-flight record
     assert len(p.pending) == 0
 
 
