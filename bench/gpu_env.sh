@@ -17,4 +17,4 @@ fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.fa-bin:/tmp/.fa-bin
 K="python3 -m kvmesh.cli"
 # step NAME CMD...: run CMD under `timeout $T` (default 200 s), print its exit status and seconds
-step() { local t0=$(date +%s); echo "== $1"; shift; timeout "${T:-200}" "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s"; }
+step() { local t0=$(date +%s); echo "== $1" >&2; shift; timeout "${T:-200}" "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s" >&2; }  # status on stderr: stdout may be a JSON file
