@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this (default: the served model's)")
     parser.add_argument("--warmup", type=int, default=0, help="requests sent (and not measured) before the run")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--cpu-split", action="store_true",
+                        help="with --launch: CPU time per request and per streamed chunk of each cluster process (needs psutil)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
 
 
@@ -193,6 +195,7 @@ def summarize(results: list[dict], duration: float) -> dict:
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+        "chunks": sum(len(r["token_times"]) for r in ok),
         "output_tokens_per_s": output / duration if duration else 0.0,
         "requests_per_s": len(ok) / duration if duration else 0.0,
         "prefix_hit_rate": cached / prompt if prompt else 0.0,
@@ -239,6 +242,55 @@ def _worker_deltas(before: dict, after: dict) -> dict[str, dict]:
     return out
 
 
+# Which part of the cluster a process is, from its command line (Ray titles its workers
+# "ray::<actor class>" or "ray::ServeReplica:<app>:<deployment>").
+ROLES = (("ProxyActor", "proxy"), (":Ingress", "ingress"), (":KVWorker", "worker actor"),
+         ("kvmesh.cluster.engine_process", "engine"), ("KVEventHub", "kv event hub"),
+         ("ServeController", "serve controller"), ("raylet", "ray"), ("gcs_server", "ray"))
+
+
+def role_of(cmdline: str) -> str | None:
+    for marker, role in ROLES:
+        if marker in cmdline:
+            return role
+    return None
+
+
+class CpuSplit:
+    """CPU time (user + system) of each process under a `kvmesh serve` process, by role, from now
+    until `per_request`: where a cluster on this machine spends its CPU per request and per chunk."""
+
+    def __init__(self, root_pid: int):
+        try:
+            import psutil
+        except ImportError:
+            raise ValueError("--cpu-split needs psutil (pip install psutil)") from None
+        root = psutil.Process(root_pid)
+        self.procs = [(role_of(" ".join(p.cmdline())), p) for p in root.children(recursive=True)]
+        self.procs = [(role, p) for role, p in self.procs if role]
+        self.start = self._cpu()
+
+    def _cpu(self) -> dict[str, float]:
+        import psutil
+
+        total: dict[str, float] = {}
+        for role, p in self.procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:  # gone (a replaced replica): its time is lost
+                continue
+            total[role] = total.get(role, 0.0) + t.user + t.system
+        return total
+
+    def per_request(self, result: dict) -> dict[str, dict]:
+        end = self._cpu()
+        n, chunks = max(1, result["ok"]), max(1, result["chunks"])
+        return {role: {"cpu_s": end[role] - self.start.get(role, 0.0),
+                       "ms_per_request": 1e3 * (end[role] - self.start.get(role, 0.0)) / n,
+                       "us_per_chunk": 1e6 * (end[role] - self.start.get(role, 0.0)) / chunks}
+                for role in sorted(end, key=lambda r: -(end[r] - self.start.get(r, 0.0)))}
+
+
 def format_table(rows: dict[str, dict]) -> str:
     cols = [("ttft_p50_s", "TTFT p50", 1e3), ("ttft_p99_s", "TTFT p99", 1e3),
             ("tpot_p50_s", "TPOT p50", 1e3), ("tpot_p99_s", "TPOT p99", 1e3),
@@ -265,10 +317,19 @@ def run(args) -> int:
             launch = shlex.split(args.launch) + ["--policy", policy]
             with LocalCluster(launch) as cluster:
                 print(f"[{policy}] serving at {cluster.http_url}", file=sys.stderr)
+                if args.cpu_split:
+                    split = CpuSplit(cluster.proc.pid)
                 rows[policy] = bench_url(cluster.http_url, args)
+                if args.cpu_split:
+                    rows[policy]["cpu_split"] = split.per_request(rows[policy])
     else:
         rows["served"] = bench_url(args.url.rstrip("/"), args)
     print(format_table(rows))
+    for name, r in rows.items():
+        if "cpu_split" in r:
+            print(f"  {name} CPU per request / per streamed chunk: " + ", ".join(
+                f"{role} {v['ms_per_request']:.2f} ms / {v['us_per_chunk']:.0f} us"
+                for role, v in r["cpu_split"].items()))
     for name, r in rows.items():
         per_worker = ", ".join(f"{w}: {v['requests']} req, step {v['step_ms']:.1f} ms"
                                for w, v in sorted(r.get("workers", {}).items()))

@@ -44,3 +44,13 @@ def test_summary_percentiles_throughput_and_hit_rate():
 def test_a_load_shape_is_required():
     with pytest.raises(ValueError, match="--rate"):
         serve.run(parse())
+
+
+def test_cluster_processes_are_told_apart_by_their_command_lines():
+    assert serve.role_of("ray::ProxyActor") == "proxy"
+    assert serve.role_of("ray::ServeReplica:kvmesh:Ingress") == "ingress"
+    assert serve.role_of("ray::ServeReplica:kvmesh:KVWorker") == "worker actor"
+    assert serve.role_of("/usr/bin/python3 -m kvmesh.cluster.engine_process 17") == "engine"
+    assert serve.role_of("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x") == "ray"
+    assert serve.role_of("ray::KVEventHub") == "kv event hub"
+    assert serve.role_of("python -m pytest") is None
