@@ -57,13 +57,15 @@ class EngineProcessLoop(EngineLoop):
 
     def _receive_ready(self, timeout_s: float) -> tuple:
         try:
-            if not self._conn.poll(timeout_s):
-                raise TimeoutError(f"engine process did not load its model in {timeout_s:.0f} s")
-            message = self._conn.recv()
+            ready = self._conn.poll(timeout_s)
+            message = self._conn.recv() if ready else None
         except (EOFError, OSError):
             self._proc.wait(timeout=10)
             raise RuntimeError(f"engine process exited with {self._proc.returncode} while starting "
                                "(its error is in this replica's log)") from None
+        if message is None:
+            self.stop()
+            raise TimeoutError(f"engine process did not load its model in {timeout_s:.0f} s")
         if message[0] == "error":
             self.stop()
             raise RuntimeError(f"engine process failed to start:\n{message[1]}")

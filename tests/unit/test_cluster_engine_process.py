@@ -109,3 +109,19 @@ def test_an_engine_that_cannot_start_says_why():
         with pytest.raises(RuntimeError, match="no-such-preset"):
             EngineProcessLoop(bad, asyncio.get_running_loop())
     run(main())
+
+
+def test_an_engine_that_loads_too_slowly_times_out_and_is_stopped():
+    import psutil
+
+    def live_children():
+        return {p.pid for p in psutil.Process().children()
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+
+    before = live_children()
+
+    async def main():
+        with pytest.raises(TimeoutError, match="did not load its model"):
+            EngineProcessLoop(CONFIG, asyncio.get_running_loop(), start_timeout_s=0.01)
+    run(main())
+    assert live_children() <= before
