@@ -4,7 +4,7 @@ publish to the KV event hub (the same numbers /metrics exports)."""
 from kvmesh.protocol import WorkerLoad
 
 COLUMNS = ("worker", "healthy", "running", "waiting", "kv_used", "kv_blocks", "hit_rate", "requests",
-           "tokens_out", "ttft_p90_s", "step_ms")
+           "tokens_out", "preempted", "ttft_p90_s", "step_ms")
 
 
 def worker_rows(loads: dict[str, WorkerLoad], stats: dict[str, dict]) -> list[dict]:
@@ -22,6 +22,7 @@ def worker_rows(loads: dict[str, WorkerLoad], stats: dict[str, dict]) -> list[di
             "hit_rate": round(s.get("cached_tokens", 0) / prompt, 4) if prompt else 0.0,
             "requests": s.get("requests", 0),
             "tokens_out": s.get("generation_tokens", 0),
+            "preempted": s.get("preemptions", 0),  # requests put back to wait for KV blocks (recomputed)
             "ttft_p90_s": round(s.get("ttft_p90_s", 0.0), 4),
             # mean wall time of an engine step: well above the model's GPU time means the host
             # (scheduling, or the replica's event loop holding the GIL) is the limit

@@ -238,6 +238,7 @@ def _worker_deltas(before: dict, after: dict) -> dict[str, dict]:
         b = before.get(worker_id, {})
         out[worker_id] = {"requests": a.get("requests", 0) - b.get("requests", 0),
                           "tokens_out": a.get("tokens_out", 0) - b.get("tokens_out", 0),
+                          "preempted": a.get("preempted", 0) - b.get("preempted", 0),
                           "step_ms": a.get("step_ms", 0.0), "hit_rate": a.get("hit_rate", 0.0)}
     return out
 
@@ -331,7 +332,7 @@ def run(args) -> int:
                 f"{role} {v['ms_per_request']:.2f} ms / {v['us_per_chunk']:.0f} us"
                 for role, v in r["cpu_split"].items()))
     for name, r in rows.items():
-        per_worker = ", ".join(f"{w}: {v['requests']} req, step {v['step_ms']:.1f} ms"
+        per_worker = ", ".join(f"{w}: {v['requests']} req, {v['preempted']} preempted, step {v['step_ms']:.1f} ms"
                                for w, v in sorted(r.get("workers", {}).items()))
         if per_worker:
             print(f"  {name} workers: {per_worker}")

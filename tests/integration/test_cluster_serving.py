@@ -329,12 +329,15 @@ def test_kvmesh_status_tables_the_replicas_over_http_and_ray(cluster):
         assert len(rows) == 2 and all(r["healthy"] and r["kv_blocks"] > 0 for r in rows), rows
         assert sum(r["requests"] for r in rows) > 0
         assert any(r["hit_rate"] > 0 for r in rows)
+        # the engine's mean step time, and no preemption on an idle pool
+        assert any(r["step_ms"] > 0 for r in rows) and all(r["preempted"] == 0 for r in rows), rows
     table = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--url", cluster.http_url],
                            capture_output=True, text=True, timeout=120)
     assert table.returncode == 0
     header = table.stdout.splitlines()[1]
     assert header.split()[:5] == ["worker", "healthy", "running", "waiting", "kv_used"]
-    assert "hit_rate" in header and len(table.stdout.splitlines()) == 5
+    assert "hit_rate" in header and "preempted" in header and "step_ms" in header
+    assert len(table.stdout.splitlines()) == 5
 
 
 def test_killing_a_replica_during_a_load_loses_no_request(cluster):
