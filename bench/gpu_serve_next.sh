@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU call (nvidia-h200-x2), prepared for the next session (not run yet): the tenants runs of
+# bench/gpu_serve.sh and gpu_serve_sweep.sh again with larger streamed chunks (server.stream_interval,
+# default here 4), with the CPU split of the cluster's processes and per-worker preemptions, to see
+# (1) whether the ~45 req/s frontend ceiling moves, (2) what happens to kv_events at 40 req/s.
+# ~9 min. Carries .whl-ray .fa-tgz (docs/PERF.md "Setup").
+source bench/gpu_env.sh
+SI=${SI:-4}
+ENGINE="device: cuda, attention_backend: flash_attn, block_size: 256, max_num_seqs: 128, max_num_batched_tokens: 8192, kv_cache_memory_bytes: 21474836480"
+for n in 1 2; do cat > /tmp/gpu$n.yaml <<YAML
+model: random:qwen3-0.6b
+engine: {$ENGINE}
+replicas: {num_replicas: $n, num_gpus: 1, num_cpus: 4, max_ongoing_requests: 256, max_queued_requests: -1}
+routing: {ingress_replicas: 2}
+server: {stream_interval: $SI}
+YAML
+done
+B="python3 -m kvmesh.bench.serve --cpu-split"
+TEN="--num-tenants 128 --system-tokens 4096 --suffix-tokens 64 512 --output-tokens 16 128"
+T=200 step "tenants, 2 replicas, closed loop 128, stream_interval $SI" $B --launch=/tmp/gpu2.yaml \
+    --policies kv_events,round_robin --concurrency 128 --num-requests 1200 $TEN --json $OUT/si${SI}_closed2.json
+T=100 step "tenants, 1 replica, closed loop 64, stream_interval $SI" $B --launch=/tmp/gpu1.yaml \
+    --policies kv_events --concurrency 64 --num-requests 600 $TEN --json $OUT/si${SI}_closed1.json
+for RATE in ${RATES:-40}; do
+  T=200 step "tenants, 2 replicas, open loop $RATE req/s, stream_interval $SI" $B --launch=/tmp/gpu2.yaml \
+      --policies kv_events,round_robin --rate $RATE --num-requests 1200 $TEN --seed 1 --json $OUT/si${SI}_open$RATE.json
+done
