@@ -188,10 +188,7 @@ class EngineLoop:
                 self.engine.add_request(arg)
                 self.stats.requests += 1
             except ValueError as e:  # a bad request (prompt too long, ...): that caller only
-                delta = TokenDelta(arg.request_id, [], "", finish_reason="error",
-                                   num_prompt_tokens=len(arg.prompt_token_ids),
-                                   error=f"invalid_request: {e}", arrival_time=arg.arrival_time)
-                self.loop.call_soon_threadsafe(self._deliver, [delta], self.engine.get_load())
+                self.loop.call_soon_threadsafe(self._deliver, [rejected(arg, e)], self.engine.get_load())
         elif kind == "abort":
             self.engine.abort_request(arg)
         elif kind == "snapshot":
@@ -202,6 +199,13 @@ class EngineLoop:
         for request_id, out in list(self._streams.items()):
             out.put_nowait(TokenDelta(request_id, [], "", finish_reason="error", error=message))
         self._streams.clear()
+
+
+def rejected(request: EngineRequest, error: ValueError) -> TokenDelta:
+    """The one delta of a request the engine refused (prompt too long, ...): an error for its caller."""
+    return TokenDelta(request.request_id, [], "", finish_reason="error",
+                      num_prompt_tokens=len(request.prompt_token_ids),
+                      error=f"invalid_request: {error}", arrival_time=request.arrival_time)
 
 
 def coalesce(delta: TokenDelta, stream: asyncio.Queue) -> TokenDelta:

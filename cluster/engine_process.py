@@ -29,7 +29,7 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 
-from kvmesh.cluster.engine_loop import _IDLE_WAIT_S, EngineLoop, _set_result
+from kvmesh.cluster.engine_loop import _IDLE_WAIT_S, EngineLoop, _set_result, engine_info, rejected
 from kvmesh.protocol import KVSnapshot, TokenDelta
 
 logger = logging.getLogger("kvmesh.cluster")
@@ -47,8 +47,7 @@ class EngineProcessLoop(EngineLoop):
         self._conn = Connection(parent_sock.detach())
         self._send_lock = threading.Lock()
         self._send(("config", (engine_config, num_threads)))
-        kind, *payload = self._receive_ready(start_timeout_s)
-        info, load = payload
+        _, info, load = self._receive_ready(start_timeout_s)
         self._setup(loop, ttft_window_s, load, info)
         self._snapshots: deque[asyncio.Future] = deque()
         self._last_heard = time.monotonic()
@@ -152,8 +151,6 @@ class EngineProcessLoop(EngineLoop):
 
 def serve(conn: Connection) -> int:
     """The engine process: build the engine, then step while it has work, between commands."""
-    from kvmesh.cluster.engine_loop import engine_info
-
     _, (config, num_threads) = conn.recv()
     try:
         if num_threads:
@@ -168,7 +165,7 @@ def serve(conn: Connection) -> int:
     accepted = 0
     try:
         while True:
-            rejected: list[TokenDelta] = []
+            refused: list[TokenDelta] = []
             if conn.poll(0 if engine.has_unfinished_requests() else _IDLE_WAIT_S):
                 while True:
                     kind, arg = conn.recv()
@@ -179,16 +176,14 @@ def serve(conn: Connection) -> int:
                             engine.add_request(arg)
                             accepted += 1
                         except ValueError as e:  # a bad request (prompt too long, ...): that caller only
-                            rejected.append(TokenDelta(arg.request_id, [], "", finish_reason="error",
-                                                       num_prompt_tokens=len(arg.prompt_token_ids),
-                                                       error=f"invalid_request: {e}", arrival_time=arg.arrival_time))
+                            refused.append(rejected(arg, e))
                     elif kind == "abort":
                         engine.abort_request(arg)
                     elif kind == "snapshot":
                         conn.send(("snapshot", engine.kv_snapshot()))
                     if not conn.poll():
                         break
-            deltas, step_s = rejected, 0.0
+            deltas, step_s = refused, 0.0
             if engine.has_unfinished_requests():
                 start = time.monotonic()
                 deltas = deltas + engine.step()
