@@ -74,8 +74,7 @@ async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int
     async with session.post(url + "/v1/completions", json=body) as resp:
         status = resp.status
         if status != 200:
-            return {"status": status, "error": (await resp.text())[:500], "sent": sent,
-                    "end": time.perf_counter(), "token_times": [], "usage": None}
+            return _failed(status, (await resp.text())[:500], sent)
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -87,6 +86,12 @@ async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int
                 times.append(time.perf_counter())
     end = time.perf_counter()
     return {"status": status, "sent": sent, "end": end, "token_times": times, "usage": usage}
+
+
+def _failed(status: int, error: str, sent: float) -> dict:
+    """A request that produced no stream (an HTTP error, or 0 when the connection failed)."""
+    return {"status": status, "error": error, "sent": sent, "end": time.perf_counter(),
+            "token_times": [], "usage": None}
 
 
 async def run_trace(url: str, workload, args, vocab_size: int, model: str) -> dict:
@@ -124,8 +129,7 @@ async def send_trace(url: str, workload, args, vocab_size: int, model: str) -> t
                 result = await _one(session, url, model, prompts[r.request_id], r.output_len, sent,
                                     r.session_key)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # counted as not ok, run goes on
-                result = {"status": 0, "error": repr(e), "sent": sent, "end": time.perf_counter(),
-                          "token_times": [], "usage": None}
+                result = _failed(0, repr(e), sent)
             result["request_id"], result["after"] = r.request_id, r.after
             results.append(result)
             for child in followups.get(r.request_id, ()):
@@ -284,12 +288,10 @@ class CpuSplit:
         return total
 
     def per_request(self, result: dict) -> dict[str, dict]:
-        end = self._cpu()
+        used = {role: t - self.start.get(role, 0.0) for role, t in self._cpu().items()}
         n, chunks = max(1, result["ok"]), max(1, result["chunks"])
-        return {role: {"cpu_s": end[role] - self.start.get(role, 0.0),
-                       "ms_per_request": 1e3 * (end[role] - self.start.get(role, 0.0)) / n,
-                       "us_per_chunk": 1e6 * (end[role] - self.start.get(role, 0.0)) / chunks}
-                for role in sorted(end, key=lambda r: -(end[r] - self.start.get(r, 0.0)))}
+        return {role: {"cpu_s": cpu_s, "ms_per_request": 1e3 * cpu_s / n, "us_per_chunk": 1e6 * cpu_s / chunks}
+                for role, cpu_s in sorted(used.items(), key=lambda item: -item[1])}
 
 
 def format_table(rows: dict[str, dict]) -> str:
