@@ -3,6 +3,7 @@ asyncio loop: streams deltas, aborts, snapshots, KV event batches, load and TTFT
 
 import asyncio
 import dataclasses
+import functools
 
 import pytest
 
@@ -10,6 +11,8 @@ from kvmesh.cluster.engine_loop import EngineLoop
 from kvmesh.config import EngineConfig
 from kvmesh.protocol import EngineRequest, KVSnapshot
 from kvmesh.sampling_params import SamplingParams
+
+from engine_loop_support import drain, run_within  # tests/unit
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +22,7 @@ def engine():
     return Engine(EngineConfig(model="random:tiny-llama", device="cpu", worker_id="w0"))
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def _drain(queue):
-    deltas = []
-    while True:
-        d = await queue.get()
-        deltas.append(d)
-        if d.finished:
-            return deltas
+run = functools.partial(run_within, timeout_s=60)
 
 
 def test_streams_a_request_to_its_finish_and_reports_events_load_and_ttft(engine):
@@ -37,7 +30,7 @@ def test_streams_a_request_to_its_finish_and_reports_events_load_and_ttft(engine
         loop = EngineLoop(engine, asyncio.get_running_loop())
         try:
             out = loop.submit(EngineRequest("r1", list(range(40)), SamplingParams(max_tokens=5, temperature=0)))
-            deltas = await _drain(out)
+            deltas = await drain(out)
             assert [d.finish_reason for d in deltas][-1] == "length"
             assert sum(len(d.token_ids) for d in deltas) == 5
             batches = loop.take_kv_batches()
@@ -93,7 +86,7 @@ def test_a_consumer_that_fell_behind_gets_what_is_waiting_as_one_delta(engine):
         loop = EngineLoop(engine, asyncio.get_running_loop())
         try:
             params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
-            deltas = await _drain(loop.submit(EngineRequest("late", list(range(30)), params)))
+            deltas = await drain(loop.submit(EngineRequest("late", list(range(30)), params)))
         finally:
             loop.stop()
         assert len(deltas) >= 2

@@ -4,6 +4,7 @@ streams, aborts, snapshots, KV event batches, load and counters; a dead engine p
 streams and the health check; a stopped or orphaned one exits."""
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -17,20 +18,10 @@ from kvmesh.config import EngineConfig
 from kvmesh.protocol import EngineRequest, KVSnapshot
 from kvmesh.sampling_params import SamplingParams
 
+from engine_loop_support import drain, run_within  # tests/unit
+
 CONFIG = EngineConfig(model="random:tiny-llama", device="cpu", worker_id="w0")
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-async def _drain(queue):
-    deltas = []
-    while True:
-        d = await queue.get()
-        deltas.append(d)
-        if d.finished:
-            return deltas
+run = functools.partial(run_within, timeout_s=120)
 
 
 def test_streams_aborts_snapshots_and_counts_like_the_in_process_loop():
@@ -43,13 +34,13 @@ def test_streams_aborts_snapshots_and_counts_like_the_in_process_loop():
         loop = make(asyncio.get_running_loop())
         try:
             assert loop.info["model_name"] and loop.info["block_size"] == 16 and loop.info["vocab_size"] == 512
-            deltas = await _drain(loop.submit(EngineRequest("r1", list(range(40)), params)))
+            deltas = await drain(loop.submit(EngineRequest("r1", list(range(40)), params)))
             tokens = [t for d in deltas for t in d.token_ids]
             batches = loop.take_kv_batches()
             assert batches and [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
             snap = await loop.snapshot()
             assert isinstance(snap, KVSnapshot) and snap.seq == batches[-1].seq and len(snap.block_hashes) >= 2
-            bad = await _drain(loop.submit(EngineRequest("bad", list(range(10_000)), params)))
+            bad = await drain(loop.submit(EngineRequest("bad", list(range(10_000)), params)))
             assert bad[-1].finish_reason == "error" and "invalid_request" in bad[-1].error
             long = loop.submit(EngineRequest("long", list(range(20)), SamplingParams(max_tokens=5000, ignore_eos=True)))
             await long.get()
@@ -80,7 +71,7 @@ def test_a_dead_engine_process_fails_its_streams_and_the_health_check():
             out = loop.submit(EngineRequest("r", list(range(20)), SamplingParams(max_tokens=100_000, ignore_eos=True)))
             await out.get()
             os.kill(loop._proc.pid, signal.SIGKILL)
-            last = await _drain(out)
+            last = await drain(out)
             assert last[-1].finish_reason == "error" and "engine loop died" in last[-1].error
             assert not loop.is_alive()
         finally:
