@@ -2,13 +2,7 @@
 # One GPU call (~4-5 min) not yet run: the corrected greedy test, then flash_attn (block 256) and
 # flashinfer at block 256 with nano-vllm in the same run. Carry .whl-fi .whl-x .fa-bin .fi-cache
 # (see docs/PERF.md "Setup").
-export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl .whl-x/*.whl || exit 1
-(cd /tmp && cat $OLDPWD/.fi-cache/fi_cache.tgz.* | tar xzf -) 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.fa-bin
-K="python3 -m kvmesh.cli"
-step() { local t0=$(date +%s); echo "== $1"; shift; timeout ${T:-200} "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s"; }
+source bench/gpu_env.sh  # wheels, caches, PYTHONPATH, $OUT, $K, step()
 T=90 step "greedy" python3 -m pytest -q tests/gpu/test_greedy_qwen3.py -p no:cacheprovider -s 2>&1 | tail -12
 T=200 step "offline flash_attn + nano-vllm" $K bench offline --attention-backend flash_attn --peer nano-vllm --json > $OUT/offline_flash_attn.json
 python3 bench/summarize.py $OUT/offline_flash_attn.json | cut -c1-400 | head -3

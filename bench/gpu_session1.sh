@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
 # GPU call 1: kernel/backends correctness (tests/gpu) and kernel timings; carries .whl-fi .whl-x .fa-src.
 # Writes logs under $OUT and the built flash-attn + flashinfer JIT caches for later calls.
-export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source bench/gpu_env.sh  # wheels, caches, PYTHONPATH, $OUT, $K, step()
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl .whl-x/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
 (python3 .fa-src/build.py .fa-src > /tmp/fa_path 2> /tmp/fa_build.log) & FA=$!
 t0=$(date +%s)
 timeout 240 python3 -m pytest -q -x tests/gpu -k "triton" -p no:cacheprovider 2>&1 | tail -25 > $OUT/test_triton.log

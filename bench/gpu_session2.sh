@@ -1,14 +1,8 @@
 #!/usr/bin/env bash
 # GPU call 2: engine benchmarks. Carries .whl-fi .whl-x .fa-bin .fi-cache (see docs/PERF.md).
-export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source bench/gpu_env.sh  # wheels, caches, PYTHONPATH, $OUT, $K, step()
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl .whl-x/*.whl || exit 1
-(cd /tmp && cat $OLDPWD/.fi-cache/fi_cache.tgz.* | tar xzf -) 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.fa-bin
 python3 -c "import flash_attn, flashinfer; print('flash_attn', flash_attn.__version__, 'flashinfer', flashinfer.__version__)"
-K="python3 -m kvmesh.cli"
-step() { local t0=$(date +%s); echo "== $1"; shift; timeout ${T:-200} "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s"; }
 T=150 step "flashinfer prefill tests" python3 -m pytest -q -x tests/gpu/test_attention_backends.py -k "flashinfer and (prefill or mixed)" -p no:cacheprovider 2>&1 | tail -4
 T=150 step "offline triton" $K bench offline --attention-backend triton --profile-step 600 --json > $OUT/offline_triton.json; python3 bench/summarize.py $OUT/offline_triton.json
 T=150 step "offline flashinfer" $K bench offline --attention-backend flashinfer --profile-step 600 --json > $OUT/offline_flashinfer.json; python3 bench/summarize.py $OUT/offline_flashinfer.json

@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # GPU call 4 (lead): async scheduling. Greedy test; flash_attn with nano-vllm in the same run, async
 # on and off; flashinfer async; latency. Carries .whl-fi .whl-x .fa-bin .fi-cache (docs/PERF.md "Setup").
-export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl .whl-x/*.whl || exit 1
-(cd /tmp && cat $OLDPWD/.fi-cache/fi_cache.tgz.* | tar xzf -) 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.fa-bin
-K="python3 -m kvmesh.cli"
-step() { local t0=$(date +%s); echo "== $1"; shift; timeout ${T:-200} "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s"; }
+source bench/gpu_env.sh  # wheels, caches, PYTHONPATH, $OUT, $K, step()
 T=100 step "offline flash_attn async + nano-vllm" $K bench offline --attention-backend flash_attn --peer nano-vllm --json > $OUT/offline_flash_attn_async.json
 python3 bench/summarize.py $OUT/offline_flash_attn_async.json | cut -c1-400 | head -4
 T=45 step "offline flash_attn sync" $K bench offline --attention-backend flash_attn --no-async-scheduling --json > $OUT/offline_flash_attn_sync.json
