@@ -72,8 +72,7 @@ def run(args) -> int:
     device = engine.device
     ceilings = measure_ceilings(device)
     vocab = engine.model_config.vocab_size
-    if vocab <= 10000:  # tiny presets: fold nano-vllm's token ids into the vocabulary
-        workload.prompts = [[t % vocab for t in p] for p in workload.prompts]
+    workload.prompts = workload.prompts_for_vocab(vocab)
     # warm-up: compile kernels, touch the allocator (not timed)
     llm.generate(prompt_token_ids=[[i % vocab for i in range(args.min_len)]] * 2,
                  sampling_params=SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)

@@ -55,11 +55,8 @@ def run_peer(name: str, workload, args) -> dict:
     model_dir = os.environ.get("KVMESH_PEER_MODEL_DIR",
                                os.path.join(tempfile.gettempdir(), f"kvmesh-peer-{preset}"))
     write_random_model_dir(model_dir, preset)
-    prompts, max_tokens = workload.prompts, workload.max_tokens
     from kvmesh.worker.presets import hf_config_for
-    vocab = hf_config_for(preset).vocab_size
-    if vocab <= 10000:  # tiny presets: fold the token ids into the vocabulary, as the benchmark does
-        prompts = [[t % vocab for t in p] for p in prompts]
+    prompts, max_tokens = workload.prompts_for_vocab(hf_config_for(preset).vocab_size), workload.max_tokens
     if name == "transformers" and args.peer_num_prompts:
         prompts, max_tokens = prompts[:args.peer_num_prompts], max_tokens[:args.peer_num_prompts]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

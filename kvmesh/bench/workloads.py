@@ -26,6 +26,13 @@ class Workload:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def prompts_for_vocab(self, vocab_size: int) -> list[list[int]]:
+        """The prompts as a model of `vocab_size` tokens takes them: nano-vllm's ids (up to 10,000)
+        folded into a tiny preset's vocabulary, unchanged for any real one."""
+        if vocab_size > 10000:
+            return self.prompts
+        return [[t % vocab_size for t in p] for p in self.prompts]
+
 
 def nano_vllm_workload(num_prompts: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
                        min_len: int = 100, vocab_limit: int = 10000, seed: int = 0) -> Workload:
