@@ -25,6 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
+    # torch.compile the layers' work outside attention (worker/compile.py); compiles on first use
+    torch_compile: bool = False
     # Launch step N+1 before step N's tokens reach the host (the GPU never waits on Python).
     # None: on for CUDA, off on the CPU (where launches are synchronous and it only adds latency).
     async_scheduling: bool | None = None

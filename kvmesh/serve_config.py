@@ -41,6 +41,7 @@ class EngineSection(_Strict):
     attention_backend: Literal[ATTENTION_BACKENDS] = Field(  # type: ignore[valid-type]
         "auto", description="Attention kernels: auto, torch, triton, flashinfer or flash_attn.")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs for decode.")
+    torch_compile: bool = Field(False, description="torch.compile each layer's work outside attention (fuses residual adds into the norms, q/k norm into rotary); compiles when the worker starts.")
     seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
 
 
@@ -140,7 +141,7 @@ class ServeConfig(_Strict):
             max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
             gpu_memory_utilization=e.gpu_memory_utilization,
             enable_prefix_caching=e.enable_prefix_caching, attention_backend=e.attention_backend,
-            enforce_eager=e.enforce_eager, seed=e.seed, worker_id=worker_id)
+            enforce_eager=e.enforce_eager, torch_compile=e.torch_compile, seed=e.seed, worker_id=worker_id)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -42,7 +42,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
                                   self.device, self.dtype, config.attention_backend, config.seed,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
-                                  max_num_seqs=config.max_num_seqs)
+                                  max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile)
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")

@@ -8,6 +8,7 @@ import torch
 
 from kvmesh.worker.attention import select_backend
 from kvmesh.worker.attention.base import AttentionMetadata, ForwardContext, forward_context
+from kvmesh.worker.compile import compile_layers
 from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
 from kvmesh.worker.host_to_device import to_device
 from kvmesh.worker.model_config import ModelConfig
@@ -18,7 +19,8 @@ from kvmesh.worker.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str, seed: int,
-                 max_model_len: int, enforce_eager: bool = False, max_num_seqs: int = 256):
+                 max_model_len: int, enforce_eager: bool = False, max_num_seqs: int = 256,
+                 torch_compile: bool = False):
         self.model = model
         self.config = model_config
         self.device = device
@@ -36,6 +38,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(device, seed)
+        if torch_compile:  # before the graphs are captured: their warm-up runs compile it
+            compile_layers(self.model)
         # --- CUDA graphs for decode (worker/cuda_graphs.py) ---
         self.graph_runner = None
         if device.type == "cuda" and not enforce_eager and self.backend.name != "torch":

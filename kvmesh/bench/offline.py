@@ -30,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile the layers' work outside attention (compiled before the timed run)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="launch step N+1 before step N's tokens reach the host (default: on for CUDA)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
@@ -44,6 +46,7 @@ def engine_args(args) -> dict:
     return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                torch_compile=getattr(args, "torch_compile", False),
                 async_scheduling=getattr(args, "async_scheduling", None))
 
 
@@ -99,7 +102,7 @@ def run(args) -> int:
     result = {
         "model": args.model, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
-        "async_scheduling": engine.async_scheduling,
+        "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
         "num_prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": output_tokens, "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds,
@@ -128,7 +131,8 @@ def run(args) -> int:
 
 def print_table(r: dict) -> None:
     print(f"kvmesh bench offline: {r['model']} on {r['device']}, backend {r['attention_backend']}, "
-          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
+          f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}"
+          + (", torch.compile on" if r.get("torch_compile") else ""))
     print(f"  {r['num_prompts']} prompts, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens, "
           f"{r['steps']} steps" + (" (nano-vllm's workload)" if r["nano_vllm_workload"] else ""))
     print(f"  ceilings: copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")

@@ -20,10 +20,11 @@ TOP_K = 8
 PROMPTS = [[(17 * i + 3 * j) % 10000 for j in range(n)] for i, n in enumerate((5, 77, 300, 1000))]
 
 
-def generate(backend: str, logprobs: int | None = None):
+def generate(backend: str, logprobs: int | None = None, torch_compile: bool = False):
     block_size = 256 if backend == "flash_attn" else 16
     llm = LLM(model=MODEL, device="cuda", attention_backend=backend, block_size=block_size,
-              kv_cache_memory_bytes=2 << 30, max_model_len=2048, max_num_seqs=8)
+              kv_cache_memory_bytes=2 << 30, max_model_len=2048, max_num_seqs=8,
+              torch_compile=torch_compile)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
     del llm
@@ -37,12 +38,14 @@ def reference():
     return generate("torch", logprobs=TOP_K)
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn"])
-def test_greedy_tokens_match_torch_backend(reference, backend):
+@pytest.mark.parametrize("backend,torch_compile", [
+    ("triton", False), ("flashinfer", False), ("flash_attn", False),
+    ("triton", True), ("flash_attn", True)])  # torch_compile: the compiled layers under CUDA graphs
+def test_greedy_tokens_match_torch_backend(reference, backend, torch_compile):
     module = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}.get(backend)
     if module and importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed here")
-    outs = generate(backend)
+    outs = generate(backend, torch_compile=torch_compile)
     for prompt_index, (ref, out) in enumerate(zip(reference, outs)):
         assert len(out.token_ids) == 64
         if out.token_ids == ref.token_ids:

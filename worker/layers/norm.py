@@ -1,15 +1,26 @@
 import torch
 from torch import nn
 
+from kvmesh.worker.layers.kernels import use_kernels
+
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given the residual stream, first adds `x` to it (vLLM's fused-add form): returns
+    (norm(x + residual), x + residual). Under torch.compile the add and the norm become one kernel."""
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused launch instead of ~7 (kvmesh.kernels.rms_norm: same rounding)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x):  # one fused launch instead of ~7 (kvmesh.kernels.rms_norm: same rounding)
             from kvmesh.kernels.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype

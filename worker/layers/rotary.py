@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from kvmesh.worker.layers.kernels import use_kernels
+
 
 def rope_parameters(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
@@ -43,7 +45,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if q.is_cuda:  # q and k in one fused launch (kvmesh.kernels.rotary: same arithmetic)
+        if use_kernels(q):  # q and k in one fused launch (kvmesh.kernels.rotary: same arithmetic)
             from kvmesh.kernels.rotary import apply_rotary
             return apply_rotary(positions, q, k, self.cos, self.sin)
         # positions [T]; q [T, H, D]; k [T, Hkv, D]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.attention.base import get_forward_context
+from kvmesh.worker.layers.kernels import use_kernels
 from kvmesh.worker.layers.norm import RMSNorm
 from kvmesh.worker.layers.rotary import RotaryEmbedding
 from kvmesh.worker.model_config import ModelConfig
@@ -32,19 +33,24 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding):
+        """q [T, H, D], k and v [T, Hkv, D]: projected, normed (Qwen3) and rotated."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention backend over the paged KV cache (writes k and v into it): [T, H * D]."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(q.shape[0], self.q_size)
 
 
 class MLP(nn.Module):
@@ -55,7 +61,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused launch (kvmesh.kernels.silu_and_mul)
+        if use_kernels(x):  # one fused launch (kvmesh.kernels.silu_and_mul)
             from kvmesh.kernels.silu_and_mul import silu_and_mul
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -70,9 +76,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, rotary):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    # The residual stream is carried as (hidden, residual): each layer returns its MLP output
+    # unadded, and the next norm adds it. The layer's work outside attention is two regions,
+    # before and after it, that torch.compile can take whole (worker/compile.py).
+    def before_attention(self, positions, hidden, residual, rotary):
+        if residual is None:  # the first layer: the embeddings are the stream
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.self_attn.project(positions, hidden, rotary)
+        return q, k, v, residual
+
+    def after_attention(self, attn_out, residual):
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+        return self.mlp(hidden), residual
+
+    def forward(self, positions, hidden, residual, rotary):
+        q, k, v, residual = self.before_attention(positions, hidden, residual, rotary)
+        return self.after_attention(self.self_attn.attend(q, k, v), residual)
 
 
 class DecoderBody(nn.Module):
@@ -84,10 +105,10 @@ class DecoderBody(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary)
+        return self.norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
