@@ -18,12 +18,25 @@ from kvmesh.serve_config import ServeConfig
 
 DEFAULT_OBJECT_STORE_BYTES = 512 * 1024 * 1024
 
+# Ray Serve's throughput-optimized mode (its performance guide): user code and the request router on
+# the replica's own event loop instead of a thread each, gRPC between the proxy and replicas, the GC
+# frozen after start-up, no per-request log lines on stderr. It halves the ingress's and the worker
+# actor's CPU per streamed token (docs/PERF.md "Serving cluster"). Its direct-ingress part (each
+# ingress replica on its own port, for a load balancer in front) stays off: clients keep one port.
+# Read by every Serve process when it starts, so it is set before Ray starts; a value already in the
+# environment wins (RAY_SERVE_THROUGHPUT_OPTIMIZED=0 turns it off). Clusters started elsewhere (ray
+# up, KubeRay) set the same variables in their node definitions (deploy/*.yaml, the Helm chart).
+SERVE_FAST_PATH_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
 
 def start_ray(cfg: ServeConfig, address: str | None) -> str:
     """Join `address` or start a local Ray; returns the address others can join."""
     loopback = cfg.server.host in ("127.0.0.1", "localhost")
     if loopback and address is None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is None:
+        for name, value in SERVE_FAST_PATH_ENV.items():
+            os.environ.setdefault(name, value)
     import ray
 
     if address is not None:

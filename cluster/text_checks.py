@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_TEXT_OR_CONTAINER = (str, dict, list)
 
 
 def lone_surrogate_path(value) -> str | None:
@@ -22,7 +23,9 @@ def lone_surrogate_path(value) -> str | None:
         if isinstance(item, dict):
             children = list(item.items())
         elif isinstance(item, list):
-            children = list(enumerate(item))
+            # numbers hold no text: a prompt of token ids is thousands of them, and a path and a
+            # tuple each cost the ingress milliseconds per request
+            children = [(i, c) for i, c in enumerate(item) if isinstance(c, _TEXT_OR_CONTAINER)]
         else:
             continue
         for key, child in reversed(children):

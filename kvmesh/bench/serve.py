@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workload parameter as in `kvmesh sim`, e.g. system_tokens=512; repeatable")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
+    parser.add_argument("--rate", type=float, nargs="+", default=None, metavar="RATE",
+                        help="Poisson arrivals per second (open loop); several rates sweep them in "
+                             "order on one cluster per policy")
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (closed loop)")
     parser.add_argument("--num-tenants", type=int, default=16)
     parser.add_argument("--system-tokens", type=int, default=1024)
@@ -43,9 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-split", action="store_true",
                         help="with --launch: CPU time per request and per streamed chunk of each cluster process (needs psutil)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
+    parser.add_argument("--plot", metavar="PNG", help="with several --rate values: TTFT p99 and "
+                        "throughput against the offered rate, one line per policy")
 
 
-def build_trace(args, block_size: int = 16):
+def build_trace(args, rate: float | None = None, block_size: int = 16):
+    """The seeded workload; with `rate`, Poisson arrivals at that many requests per second."""
     from kvmesh.commands.sim import parse_workload_options
     from kvmesh.router.sim.workloads import assign_arrivals, make_workload
 
@@ -59,8 +64,8 @@ def build_trace(args, block_size: int = 16):
                                  block_size=block_size, **options)
     except TypeError as e:  # an unknown --workload-opt key
         raise ValueError(f"workload {args.workload}: {e}") from None
-    if args.rate:
-        assign_arrivals(workload, args.rate)  # follow-up turns: sent after their previous answer
+    if rate:
+        assign_arrivals(workload, rate)  # follow-up turns: sent after their previous answer
     return workload
 
 
@@ -217,7 +222,7 @@ def served_model(url: str) -> tuple[str, int | None]:
 def bench_url(url: str, args) -> dict:
     model, vocab = served_model(url)
     vocab = args.vocab_size or vocab or 151936
-    workload = build_trace(args)
+    workload = build_trace(args, args.rate)
     before = _workers(url)
     result = asyncio.run(run_trace(url, workload, args, vocab, model))
     result["workers"] = _worker_deltas(before, _workers(url))
@@ -294,6 +299,26 @@ class CpuSplit:
                 for role, cpu_s in sorted(used.items(), key=lambda item: -item[1])}
 
 
+def plot_sweep(rows: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ttft, thr) = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in dict.fromkeys(r["policy"] for r in rows.values()):
+        pts = sorted((r for r in rows.values() if r["policy"] == policy), key=lambda r: r["rate"])
+        ttft.plot([r["rate"] for r in pts], [r["ttft_p99_s"] * 1e3 for r in pts], marker="o", label=policy)
+        thr.plot([r["rate"] for r in pts], [r["output_tokens_per_s"] for r in pts], marker="o", label=policy)
+    ttft.set(xlabel="offered load (requests/s)", ylabel="TTFT p99 (ms)", yscale="log", title="TTFT p99")
+    thr.set(xlabel="offered load (requests/s)", ylabel="output tokens/s", title="throughput")
+    for ax in (ttft, thr):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def format_table(rows: dict[str, dict]) -> str:
     cols = [("ttft_p50_s", "TTFT p50", 1e3), ("ttft_p99_s", "TTFT p99", 1e3),
             ("tpot_p50_s", "TPOT p50", 1e3), ("tpot_p99_s", "TPOT p99", 1e3),
@@ -312,7 +337,22 @@ def format_table(rows: dict[str, dict]) -> str:
 def run(args) -> int:
     if not args.rate and not args.concurrency:
         raise ValueError("give --rate (open loop, requests/s) or --concurrency (closed loop)")
+    if args.rate and min(args.rate) <= 0:
+        raise ValueError(f"--rate must be > 0, got {min(args.rate)}")
+    rates = args.rate or [None]
+    if args.plot and len(rates) < 2:
+        raise ValueError("--plot needs two or more --rate values (it draws against the offered rate)")
     rows = {}
+
+    def measure(url: str, name: str, cluster_pid: int | None) -> None:
+        for rate in rates:
+            label = name if len(rates) == 1 else f"{name} @ {rate:g}/s"
+            split = CpuSplit(cluster_pid) if args.cpu_split and cluster_pid else None
+            rows[label] = bench_url(url, argparse.Namespace(**{**vars(args), "rate": rate}))
+            rows[label].update(policy=name, rate=rate)
+            if split:
+                rows[label]["cpu_split"] = split.per_request(rows[label])
+
     if args.launch:
         from kvmesh.cluster.local import LocalCluster
 
@@ -320,14 +360,13 @@ def run(args) -> int:
             launch = shlex.split(args.launch) + ["--policy", policy]
             with LocalCluster(launch) as cluster:
                 print(f"[{policy}] serving at {cluster.http_url}", file=sys.stderr)
-                if args.cpu_split:
-                    split = CpuSplit(cluster.proc.pid)
-                rows[policy] = bench_url(cluster.http_url, args)
-                if args.cpu_split:
-                    rows[policy]["cpu_split"] = split.per_request(rows[policy])
+                measure(cluster.http_url, policy, cluster.proc.pid)
     else:
-        rows["served"] = bench_url(args.url.rstrip("/"), args)
+        measure(args.url.rstrip("/"), "served", None)
     print(format_table(rows))
+    if args.plot:
+        plot_sweep(rows, args.plot)
+        print(f"plot: {args.plot}")
     for name, r in rows.items():
         if "cpu_split" in r:
             print(f"  {name} CPU per request / per streamed chunk: " + ", ".join(

@@ -95,12 +95,25 @@ class ReplicaProcesses:
             p.send_signal(sig)
 
 
+_WORKER_PIDS = """
+import os, sys, ray
+ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
+for a in ray.util.list_named_actors(all_namespaces=True):
+    if "#KVWorker#" in a["name"]:
+        actor = ray.get_actor(a["name"], namespace=a["namespace"])
+        print(a["name"].rsplit("#", 1)[1], ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
+"""
+
+
 def worker_pids(cluster) -> dict[str, int]:
-    """Worker replica id -> process id, read from Serve's request log lines in the cluster's log
-    ("(ServeReplica:<app>:KVWorker pid=N) ... <app>_KVWorker <replica id> ..."): only replicas
-    that have served a request appear."""
-    out = {}
-    for m in re.finditer(r"ServeReplica:\w+:KVWorker pid=(\d+)\)\S*\s+\w+ [\d\-: ,]+ \w+_KVWorker (\w+) ",
-                         cluster.log()):
-        out[m.group(2)] = int(m.group(1))
-    return out
+    """Worker replica id -> process id, asked of each replica actor by a driver in a separate
+    process (Ray reads its loopback setting at import, and this test process may have imported it
+    already). Not from Serve's request log lines: its throughput-optimized mode keeps them off stderr."""
+    import subprocess
+    import sys
+
+    from kvmesh.cluster.local import loopback_ray_env
+
+    done = subprocess.run([sys.executable, "-c", _WORKER_PIDS, cluster.ray_address], capture_output=True,
+                          text=True, env=loopback_ray_env(), timeout=120, check=True)
+    return {rid: int(pid) for rid, pid in (line.split() for line in done.stdout.splitlines() if line.strip())}

@@ -68,5 +68,5 @@ def test_bench_serve_options_parse_through_the_cli():
     from kvmesh.cli import build_parser
 
     args = build_parser().parse_args(["bench", "serve", "--rate", "8", "--policies", "kv_events,round_robin"])
-    assert args.rate == 8 and args.policies == "kv_events,round_robin"
+    assert args.rate == [8] and args.policies == "kv_events,round_robin"
     assert args.handler.__module__ == "kvmesh.bench.serve"

@@ -16,7 +16,7 @@ def parse(*argv):
 def test_the_trace_is_the_simulators_seeded_tenants_workload():
     args = parse("--rate", "4", "--num-requests", "30", "--num-tenants", "5", "--system-tokens", "64",
                  "--suffix-tokens", "8", "16", "--output-tokens", "4", "8")
-    a, b = serve.build_trace(args), serve.build_trace(args)
+    a, b = serve.build_trace(args, rate=4), serve.build_trace(args, rate=4)
     assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
     assert all(64 + 8 <= r.prompt_len <= 64 + 16 and 4 <= r.output_len <= 8 for r in a.requests)
     assert len({r.group for r in a.requests}) <= 5
