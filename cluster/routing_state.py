@@ -177,7 +177,10 @@ class RoutingState:
         # include the very request that is computing this prefix, which must not count against it.
         reported = self.loads.get(worker)
         queued = reported.waiting_prefill_tokens if reported is not None else 0
-        if known.get(ranked[0], 0) >= num_blocks or saved < queued:
+        # saved == 0: the index already shows the prefix there, and the policy's cost has weighed
+        # that hit against the worker's load; overriding it would pin every request of a prefix to
+        # its worker whenever no prompt happened to be queued at its last report.
+        if saved <= 0 or known.get(ranked[0], 0) >= num_blocks or saved < queued:
             return ranked
         return [worker] + [w for w in ranked if w != worker]
 

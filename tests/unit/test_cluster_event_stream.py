@@ -124,3 +124,23 @@ def test_recent_routes_expire_and_stop_at_a_different_worker():
     assert recent.match([1, 2, 3]) == ("b", 2)
     now[0] = 5.0
     assert recent.match([1, 2, 3]) == (None, 0)
+
+
+def test_a_recent_route_does_not_override_the_load_balance_once_the_index_shows_the_prefix():
+    # The recent-route preference bridges the moments before a prefix's KV events arrive. Once the
+    # index shows the prefix on its worker, the policy's cost (which counts that cache hit against
+    # the worker's load) decides alone: a worker busy decoding, with no prompt queued at its last
+    # report, must not keep every request of its prefix.
+    log = EventLog()
+    prompt = list(range(100, 120))  # 20 blocks of 16 tokens
+    log.publish(stored("a", 0, prompt))
+    log.publish(stored("b", 0, []))
+    for w in ("a", "b"):
+        log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100))
+    state = RoutingState("kv_events", 16, cap=256)
+    state.apply(log.poll(None, 0))
+    assert state.rank(prompt, 320, None, ["a", "b"])[0] == "a"  # cached there (and now a recent route)
+    log.update_load(WorkerLoad("a", running=60, running_decode_tokens=60 * 331,
+                               kv_free_blocks=50, kv_total_blocks=100))
+    state.apply(log.poll(state.instance, state.cursor))
+    assert state.rank(prompt, 320, None, ["a", "b"])[0] == "b"
