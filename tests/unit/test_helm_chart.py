@@ -116,6 +116,19 @@ def test_autoscaler_is_off_unless_kvmesh_autoscaling_is_enabled():
     assert "autoscalerOptions" not in spec
 
 
+def test_every_ray_node_runs_serve_throughput_optimized_unless_turned_off():
+    def envs(values):
+        spec = one(manifests(values), "RayService")["spec"]["rayClusterConfig"]
+        containers = [spec["headGroupSpec"]["template"]["spec"]["containers"][0]]
+        containers += [g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"]]
+        return [{e["name"]: e.get("value") for e in c.get("env", [])} for c in containers]
+
+    for env in envs(None):  # as a local `kvmesh serve` starts Ray (cluster/launcher.py)
+        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    for env in envs({"serve": {"throughputOptimized": False}}):
+        assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in env
+
+
 def test_ray_start_params_are_strings():
     spec = one(manifests(VALUE_SETS["cpu-only"]), "RayService")["spec"]["rayClusterConfig"]
     [group] = spec["workerGroupSpecs"]

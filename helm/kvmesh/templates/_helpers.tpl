@@ -168,8 +168,9 @@ One worker group spec. Called with a dict: root (the chart context), name, group
               {{- if $group.gpusPerPod }}
               nvidia.com/gpu: {{ $group.gpusPerPod }}
               {{- end }}
-          {{- if or $group.env $root.Values.apiKeysSecret.name }}
+          {{- if or $group.env $root.Values.apiKeysSecret.name $root.Values.serve.throughputOptimized }}
           env:
+            {{- include "kvmesh.serveEnv" $root | nindent 12 }}
             {{- include "kvmesh.apiKeysEnv" $root | nindent 12 }}
             {{- with $group.env }}
             {{- toYaml . | nindent 12 }}
@@ -202,6 +203,15 @@ One worker group spec. Called with a dict: root (the chart context), name, group
 {{- end }}
 
 {{/* KVMESH_API_KEYS from apiKeysSecret, for every Ray pod (the ingress may run on any). */}}
+{{- define "kvmesh.serveEnv" -}}
+{{- if .Values.serve.throughputOptimized }}
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: "1"
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: "0"
+{{- end }}
+{{- end }}
+
 {{- define "kvmesh.apiKeysEnv" -}}
 {{- with .Values.apiKeysSecret.name }}
 - name: KVMESH_API_KEYS
