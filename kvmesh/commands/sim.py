@@ -36,6 +36,19 @@ def register(subparsers) -> None:
     p.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="workload parameter, e.g. num_tenants=64 or suffix_tokens=(64,512); repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--router-copies", type=int, default=0, metavar="N",
+                   help="route as the serving cluster does: N RoutingState copies in turn, fed late "
+                        "through an EventLog (default 0: one router that sees everything at once)")
+    p.add_argument("--report-interval-s", type=float, default=0.05,
+                   help="with --router-copies: how often worker loads reach the copies (default 0.05)")
+    p.add_argument("--event-delay-s", type=float, default=0.0,
+                   help="with --router-copies: how late KV event batches and loads reach the copies "
+                        "(default 0)")
+    p.add_argument("--loads-with-events", action="store_true",
+                   help="with --router-copies: a worker's load also travels with every event batch, "
+                        "as the cluster's worker sends it")
+    p.add_argument("--no-recent-routes", action="store_true",
+                   help="with --router-copies: the copies have no recent-route preference")
     p.set_defaults(handler=_run)
 
 
@@ -66,7 +79,10 @@ def _run(args: argparse.Namespace) -> int:
     load = args.load if args.load is not None or args.rate is not None else 0.7
     policies = resolve_policies(args.policy)
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
-                       max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed)
+                       max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed,
+                       router_copies=args.router_copies, report_interval_s=args.report_interval_s,
+                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events,
+                       recent_ttl_s=None if args.no_recent_routes else 2.0)
     options = parse_workload_options(args.workload_opt)
     try:
         report = run(args.workload, policies, config, num_requests=args.requests, load=load,

@@ -2,6 +2,9 @@
 and loads flow back into that same Router, as they do in the cluster.
 
 Decision latency is the wall-clock time of `Router.route_request` (lock, index lookup, policy).
+
+With `router_copies` > 0 the arrivals are routed instead as the serving cluster routes them: by that
+many of the cluster's own RoutingState copies in turn, fed late through its EventLog (copies.py).
 """
 
 import heapq
@@ -29,6 +32,12 @@ class SimConfig:
     index_max_blocks: int | None = None  # router index bound; default: every worker's pool, no drops
     seed: int = 0
     cost: CostModel = field(default_factory=CostModel)
+    # The cluster's router copies (copies.py); 0: one Router that sees every event and load at once.
+    router_copies: int = 0
+    report_interval_s: float = 0.05  # a worker's load reaches the copies this often
+    event_delay_s: float = 0.0  # worker -> hub -> copy: a publication reaches the copies this late
+    loads_with_events: bool = False  # the load also travels with every batch (cluster/worker.py)
+    recent_ttl_s: float | None = 2.0  # the copies' recent-route preference (RecentRoutes); None: off
 
     def __post_init__(self):
         for name in ("num_workers", "max_batch", "max_batched_tokens", "block_size"):
@@ -38,6 +47,12 @@ class SimConfig:
             raise ValueError(f"cap must be >= 1, got {self.cap}")
         if self.max_batched_tokens < self.max_batch:
             raise ValueError("max_batched_tokens must be >= max_batch (every decode needs a slot)")
+        if self.router_copies < 0:
+            raise ValueError(f"router_copies must be >= 0, got {self.router_copies}")
+        if self.router_copies and self.report_interval_s <= 0:
+            raise ValueError(f"report_interval_s must be > 0, got {self.report_interval_s}")
+        if self.event_delay_s < 0:
+            raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
 
     @property
     def blocks_per_worker(self) -> int:
@@ -57,8 +72,10 @@ class SimResult:
 
 
 def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool = False,
-             **policy_kwargs) -> SimResult:
-    """Run `workload` (arrivals already assigned) through a cluster routed by `policy`."""
+             routing_state=None, **policy_kwargs) -> SimResult:
+    """Run `workload` (arrivals already assigned) through a cluster routed by `policy`.
+    `routing_state`: the class of the router copies (default the cluster's RoutingState), with
+    `config.router_copies`; `policy_kwargs` go to the single Router otherwise."""
     if workload.block_size != config.block_size:
         raise ValueError(f"workload hashed with block_size {workload.block_size}, "
                          f"config has {config.block_size}")
@@ -75,6 +92,15 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
     for w in workers:
         router.add_worker(w.worker_id)
         router.update_load(w.load(0.0))
+    copies = None
+    if config.router_copies:
+        if policy_kwargs:
+            raise ValueError("policy options are not passed to the router copies")
+        from kvmesh.router.sim.copies import RouterCopies
+
+        extra = {"state_class": routing_state} if routing_state is not None else {}
+        copies = RouterCopies(config, policy, workers, **extra)
+        router = copies.router
     versions = [0] * len(workers)
     followups: dict[int, list] = {}
     heap: list = []
@@ -94,21 +120,32 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
     bar = _progress(len(workload.requests), policy, progress)
 
     def publish(w: SimWorker, now: float) -> None:
+        if copies is not None:
+            copies.on_step_end(w, now)
+            return
         batch = w.take_event_batch(now)
         if batch is not None and not router.on_events(batch):
             raise AssertionError(f"simulated worker {w.worker_id} sent a batch out of order")
         router.update_load(w.load(now))
 
     while heap:
+        if copies is not None and copies.next_time() <= heap[0][0]:
+            copies.fire()
+            continue
         now, kind, _, payload = heapq.heappop(heap)
         if kind == _ARRIVAL:
             request = payload
-            route_request = RouteRequest(request.prompt_hashes(config.block_size), request.prompt_len,
-                                         request.session_key)
-            t0 = time.perf_counter_ns()
-            ranked = router.route_request(route_request)
-            decision_ns.append(time.perf_counter_ns() - t0)
-            i = by_id[ranked[0]]
+            if copies is not None:
+                chosen, elapsed = copies.route(request.prompt_hashes(config.block_size),
+                                               request.prompt_len, request.session_key, now)
+                decision_ns.append(elapsed)
+            else:
+                route_request = RouteRequest(request.prompt_hashes(config.block_size),
+                                             request.prompt_len, request.session_key)
+                t0 = time.perf_counter_ns()
+                chosen = router.route_request(route_request)[0]
+                decision_ns.append(time.perf_counter_ns() - t0)
+            i = by_id[chosen]
             w = workers[i]
             if cap is not None and w.outstanding >= cap and min(x.outstanding for x in workers) == 0:
                 violations += 1

@@ -51,6 +51,11 @@ def run(workload: str | Workload, policies: list[str], config: SimConfig, num_re
 
 def _config_dict(workload: Workload, config: SimConfig, capacity: float, load, rate) -> dict:
     cost = config.cost
+    copies = {}
+    if config.router_copies:
+        copies = {"router_copies": config.router_copies, "report_interval_s": config.report_interval_s,
+                  "event_delay_s": config.event_delay_s, "loads_with_events": config.loads_with_events,
+                  "recent_ttl_s": config.recent_ttl_s}
     return {
         "workers": config.num_workers,
         "workload": workload.name,
@@ -69,4 +74,5 @@ def _config_dict(workload: Workload, config: SimConfig, capacity: float, load, r
         "cap": config.cap,
         "model": dataclasses.asdict(cost.model),
         "hardware": dataclasses.asdict(cost.hardware),
+        **copies,
     }
