@@ -47,6 +47,11 @@ class Ingress(GrpcService):
         self.api_keys = ApiKeys.from_server_config(self.config.server)
         self.limits = RequestLimits(self.config.limits)
         process_metrics.register(self.frontend.metrics.registry)
+        if self.config.server.direct_http_port:  # the same app on this replica's own server
+            from kvmesh.cluster.direct_http import serve_direct, shared_socket
+
+            sock = shared_socket(self.config.server.host, self.config.server.direct_http_port)
+            self._direct_http = asyncio.get_running_loop().create_task(serve_direct(app, sock))
         # The first handle call creates this replica's router copy: make it now, so the copy has
         # consumed the KV event stream before the first real request.
         asyncio.get_running_loop().create_task(self._warm_up())

@@ -77,6 +77,8 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
     endpoints = {"http": f"http://{host}:{cfg.server.http_port}{prefix}/v1"}
     if cfg.server.grpc_port:
         endpoints["grpc"] = f"{host}:{cfg.server.grpc_port}"
+    if cfg.server.direct_http_port:
+        endpoints["http_direct"] = f"http://{host}:{cfg.server.direct_http_port}/v1"  # the app at its root
     return endpoints
 
 
@@ -134,6 +136,8 @@ def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
         print(f"kvmesh serving {cfg.model} on {cfg.replicas.num_replicas} worker replica(s), "
               f"routing {cfg.routing.policy} (ready in {time.monotonic() - started:.1f} s)", file=out)
         print(f"  OpenAI HTTP: {endpoints['http']}", file=out)
+        if "http_direct" in endpoints:
+            print(f"  OpenAI HTTP: {endpoints['http_direct']} (direct to the ingress replicas)", file=out)
         if "grpc" in endpoints:
             print(f"  gRPC:        {endpoints['grpc']} (kvmesh.v1.Generation)", file=out)
         print(f"  ray:         {ray_address}", file=out)

@@ -99,6 +99,7 @@ class ServerSection(_Strict):
     stream_interval: int = Field(1, ge=1, le=1024, description="Tokens per streamed chunk after the first token, which always goes out at once (1 = every step's tokens as they come; larger values send fewer, bigger chunks through Serve, as vLLM's and SGLang's --stream-interval).")
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(9000, ge=0, le=65535, description="gRPC port (kvmesh.v1.Generation); 0 disables gRPC.")
+    direct_http_port: int = Field(0, ge=0, le=65535, description="Also serve the OpenAI API from each ingress replica's own HTTP server on this port (shared by the replicas of a node), skipping Serve's HTTP proxy; 0 = off.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication (the KVMESH_API_KEYS environment variable of the ingress adds more, e.g. from a Kubernetes Secret).")
     auth_health: bool = Field(False, description="With API keys set, /health and gRPC Health need a key too (off: open to load balancers).")
     auth_metrics: bool = Field(False, description="With API keys set, /metrics needs a key too (off: open to Prometheus).")

@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-split", action="store_true",
                         help="with --launch: CPU time per request and per streamed chunk of each cluster process (needs psutil)")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
+    parser.add_argument("--direct-http-port", type=int, default=None, metavar="PORT",
+                        help="with --launch: serve also on the ingress replicas' own HTTP port "
+                             "(server.direct_http_port) and send the requests there, not through "
+                             "Serve's proxy")
     parser.add_argument("--plot", metavar="PNG", help="with several --rate values: TTFT p99 and "
                         "throughput against the offered rate, one line per policy")
 
@@ -358,9 +362,13 @@ def run(args) -> int:
 
         for policy in args.policies.split(","):
             launch = shlex.split(args.launch) + ["--policy", policy]
+            if args.direct_http_port:
+                launch += ["--direct-http-port", str(args.direct_http_port)]
             with LocalCluster(launch) as cluster:
-                print(f"[{policy}] serving at {cluster.http_url}", file=sys.stderr)
-                measure(cluster.http_url, policy, cluster.proc.pid)
+                url = (f"http://127.0.0.1:{args.direct_http_port}" if args.direct_http_port
+                       else cluster.http_url)
+                print(f"[{policy}] serving at {url}", file=sys.stderr)
+                measure(url, policy, cluster.proc.pid)
     else:
         measure(args.url.rstrip("/"), "served", None)
     print(format_table(rows))

@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="HTTP bind address (server.host)")
     p.add_argument("--http-port", type=int, help="OpenAI HTTP port (server.http_port)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (server.grpc_port; 0 = off)")
+    p.add_argument("--direct-http-port", type=int,
+                   help="also serve the OpenAI API from the ingress replicas' own HTTP server on this "
+                        "port, skipping Serve's proxy (server.direct_http_port; 0 = off)")
     p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this bearer token (repeat for several; adds to server.api_keys; "
@@ -77,6 +80,8 @@ def load_with_overrides(args):
         cfg["server"]["http_port"] = args.http_port
     if args.grpc_port is not None:
         cfg["server"]["grpc_port"] = args.grpc_port
+    if args.direct_http_port is not None:
+        cfg["server"]["direct_http_port"] = args.direct_http_port
     for key in getattr(args, "api_key", None) or []:
         if key not in cfg["server"]["api_keys"]:
             cfg["server"]["api_keys"].append(key)

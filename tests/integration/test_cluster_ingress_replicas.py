@@ -1,6 +1,7 @@
 """Two ingress replicas (two router copies) in front of two CPU workers with small request limits:
 every copy routes a shared prefix to the worker holding it, and an overload is answered with 429
-and Retry-After instead of waiting without bound. The workers stream 4 tokens per chunk."""
+and Retry-After instead of waiting without bound. The workers stream 4 tokens per chunk. Both
+ingress replicas also serve the API on one shared port of their own (server.direct_http_port)."""
 
 import concurrent.futures as cf
 import json
@@ -10,7 +11,7 @@ import urllib.request
 import pytest
 import yaml
 
-from kvmesh.cluster.local import LocalCluster
+from kvmesh.cluster.local import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +27,15 @@ def cluster(tmp_path_factory):
         "replicas": {"num_replicas": 2, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 2,
                      "max_queued_requests": 1},
         "routing": {"policy": "kv_events", "ingress_replicas": 2},
-        "server": {"stream_interval": 4},
+        "server": {"stream_interval": 4, "direct_http_port": free_port()},
     }))
     with LocalCluster([], config=str(config)) as c:
+        c.direct_url = f"http://127.0.0.1:{yaml.safe_load(config.read_text())['server']['direct_http_port']}"
         yield c
 
 
-def post(cluster, body, timeout=120):
-    req = urllib.request.Request(cluster.http_url + "/v1/completions", json.dumps(body).encode(),
+def post(cluster, body, timeout=120, base=None):
+    req = urllib.request.Request((base or cluster.http_url) + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -100,3 +102,55 @@ def test_an_overload_gets_429_with_retry_after_and_the_rest_are_served(cluster):
             assert int(headers["Retry-After"]) >= 1
     # and it keeps serving
     assert post(cluster, {"model": MODEL, "prompt": "after the storm", "max_tokens": 2})[0] == 200
+
+
+def test_the_direct_port_serves_the_same_api_from_both_ingress_replicas(cluster):
+    import openai
+    import psutil
+
+    port = int(cluster.direct_url.rsplit(":", 1)[1])
+    ingresses = [p for p in psutil.Process(cluster.proc.pid).children(recursive=True)
+                 if ":Ingress" in " ".join(p.cmdline())]
+    listening = [p for p in ingresses if any(
+        c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp"))]
+    assert len(ingresses) == 2 and len(listening) == 2  # one shared port (SO_REUSEPORT)
+
+    body = {"model": MODEL, "prompt": "Straight to the ingress.", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    status, via_proxy, _ = post(cluster, body)
+    assert status == 200
+    client = openai.OpenAI(base_url=cluster.direct_url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=12, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == via_proxy["choices"][0]["text"]
+    status, error, _ = post(cluster, {**body, "temperature": -1}, base=cluster.direct_url)
+    assert status == 400 and error["error"]["param"] == "temperature"
+
+
+def test_a_client_leaving_the_direct_port_aborts_its_request(cluster):
+    import http.client
+    import time
+
+    def workers():
+        with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=10) as r:
+            rows = json.load(r)["workers"]
+        return sum(w["running"] for w in rows), sum(w["tokens_out"] for w in rows)
+
+    tokens_before = workers()[1]
+    port = int(cluster.direct_url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": "a long answer nobody reads", "max_tokens": 1500, "ignore_eos": True,
+        "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()  # gone after the first chunk
+    deadline = time.monotonic() + 60
+    running = tokens = None
+    while time.monotonic() < deadline:
+        running, tokens = workers()
+        if running == 0:
+            break
+        time.sleep(0.2)
+    # it stopped, and well before its 1,500 tokens: the worker aborted it
+    assert running == 0 and tokens - tokens_before < 1000, (running, tokens - tokens_before)
