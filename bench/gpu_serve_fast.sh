@@ -5,19 +5,9 @@
 # the closed loop on 2 replicas and on 1 (scaling). ~8 min. Carries .whl-ray .fa-tgz.
 # Knobs: SEED (trace seed, default 1), RATES, DIRECT (a port: use the direct HTTP port), SWEEP_ONLY=1.
 source bench/gpu_env.sh
-SI=${SI:-4}
-ENGINE="device: cuda, attention_backend: flash_attn, block_size: 256, max_num_seqs: 128, max_num_batched_tokens: 8192, kv_cache_memory_bytes: 21474836480"
-for n in 1 2; do cat > /tmp/gpu$n.yaml <<YAML
-model: random:qwen3-0.6b
-engine: {$ENGINE}
-replicas: {num_replicas: $n, num_gpus: 1, num_cpus: 4, max_ongoing_requests: 256, max_queued_requests: -1}
-routing: {ingress_replicas: 2}
-server: {stream_interval: $SI}
-YAML
-done
+source bench/gpu_serve_config.sh
 # DIRECT=8124: send the requests to the ingress replicas' own port (server.direct_http_port)
 B="python3 -m kvmesh.bench.serve --cpu-split${DIRECT:+ --direct-http-port $DIRECT}"
-TEN="--num-tenants 128 --system-tokens 4096 --suffix-tokens 64 512 --output-tokens 16 128"
 T=330 step "tenants, 2 replicas, open-loop sweep ${RATES:-40 52 64 76} req/s" $B --launch=/tmp/gpu2.yaml \
     --policies kv_events,round_robin --rate ${RATES:-40 52 64 76} --num-requests 1200 $TEN --seed ${SEED:-1} \
     --plot $OUT/fast_sweep${SEED:+_seed$SEED}${DIRECT:+_direct}.png --json $OUT/fast_sweep${SEED:+_seed$SEED}${DIRECT:+_direct}.json

@@ -5,18 +5,8 @@
 # (1) whether the ~45 req/s frontend ceiling moves, (2) what happens to kv_events at 40 req/s.
 # ~9 min. Carries .whl-ray .fa-tgz (docs/PERF.md "Setup").
 source bench/gpu_env.sh
-SI=${SI:-4}
-ENGINE="device: cuda, attention_backend: flash_attn, block_size: 256, max_num_seqs: 128, max_num_batched_tokens: 8192, kv_cache_memory_bytes: 21474836480"
-for n in 1 2; do cat > /tmp/gpu$n.yaml <<YAML
-model: random:qwen3-0.6b
-engine: {$ENGINE}
-replicas: {num_replicas: $n, num_gpus: 1, num_cpus: 4, max_ongoing_requests: 256, max_queued_requests: -1}
-routing: {ingress_replicas: 2}
-server: {stream_interval: $SI}
-YAML
-done
+source bench/gpu_serve_config.sh
 B="python3 -m kvmesh.bench.serve --cpu-split"
-TEN="--num-tenants 128 --system-tokens 4096 --suffix-tokens 64 512 --output-tokens 16 128"
 # most telling first: the open-loop rates (kv_events was worse at 40 req/s with stream_interval 1)
 for RATE in ${RATES:-40}; do
   T=200 step "tenants, 2 replicas, open loop $RATE req/s, stream_interval $SI" $B --launch=/tmp/gpu2.yaml \
