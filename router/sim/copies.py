@@ -15,9 +15,11 @@ it (the copies long-poll, so they all get it at once). Requests go to copy k mod
 spill-over at max_ongoing_requests (`cap`, checked against the worker's true queue) picks the first
 rank with room; the copies themselves have no cap, as in cluster/app.py.
 
-RoutingState reads the wall clock for stale-worker demotion; every worker's load is reported at each
-tick (stamped in simulated time), so a simulated worker never looks stale. Its RecentRoutes is given
-the simulated clock.
+Two things of RoutingState are made simulation-safe, per copy: its policy's tie-breaking generator is
+seeded from `config.seed` and the copy's number (the cluster's copies are unseeded; a simulation must
+repeat), and stale-worker demotion is off (it measures silence on the wall clock, which here would
+measure only the host's hiccups: every simulated worker reports at every tick and never stalls).
+Its RecentRoutes is given the simulated clock.
 """
 
 from __future__ import annotations
@@ -25,12 +27,18 @@ from __future__ import annotations
 import heapq
 import time
 
+import numpy as np
+
 from kvmesh.cluster.event_log import EventLog
 from kvmesh.cluster.recent_routes import RecentRoutes
 from kvmesh.cluster.routing_state import RoutingState
 from kvmesh.protocol import KVSnapshot
 
 _TICK, _DELIVER = 0, 1  # a load report sampled at the instant a delivery is due goes after it
+
+
+def _never_stale(now: float | None = None) -> set[str]:
+    return set()
 
 
 class RouterCopies:
@@ -47,8 +55,11 @@ class RouterCopies:
         self.now = 0.0
         self.log = EventLog(clock=lambda: self.now)
         self.copies = []
-        for _ in range(config.router_copies):
+        for number in range(config.router_copies):
             state = state_class(policy, config.block_size, cap=None)
+            if hasattr(state.router.policy, "_rng"):
+                state.router.policy._rng = np.random.default_rng([config.seed, number])
+            state.stale_workers = _never_stale
             if state.recent is not None:
                 if config.recent_ttl_s is None:
                     state.recent = None
