@@ -2,6 +2,7 @@
 through an EventLog; and, with it off, the simulator exactly as before."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -158,3 +159,30 @@ def test_loads_reach_the_copies_only_at_each_report():
         load = state.router.worker_state("w1").load
         assert load.running + load.waiting == 1 and load.timestamp == pytest.approx(0.05)
     assert copies.next_time() == pytest.approx(0.10)
+
+
+def test_the_sim_command_takes_the_router_copy_flags(capsys):
+    from kvmesh.cli import main
+
+    small = ["--workers", "2", "--requests", "40", "--kv-blocks", "300", "--no-progress",
+             "--workload-opt", "num_tenants=3", "--workload-opt", "system_tokens=128",
+             "--workload-opt", "suffix_tokens=(16,32)", "--workload-opt", "output_tokens=(4,8)"]
+    assert main(["sim", "--policy", "kv_events", "--json", "--load", "0.5", "--router-copies", "2",
+                 "--report-interval-s", "0.02", "--event-delay-s", "0.01", "--loads-with-events",
+                 "--no-recent-routes", *small]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {k: report["config"][k] for k in ("router_copies", "report_interval_s", "event_delay_s",
+                                             "loads_with_events", "recent_ttl_s")} == {
+        "router_copies": 2, "report_interval_s": 0.02, "event_delay_s": 0.01,
+        "loads_with_events": True, "recent_ttl_s": None}
+    assert report["policies"]["kv_events"]["requests"] == 40
+    assert main(["sim", "--router-copies", "-1", *small]) == 2  # one-line error
+
+
+def test_the_recent_route_preference_runs_on_simulated_time_or_is_off():
+    on = RouterCopies(dataclasses.replace(CONFIG, router_copies=2), "kv_events", workers())
+    on.route([1, 2, 3], 48, None, now=5.0)
+    assert all(state.recent.clock() == 5.0 for state in on.copies)
+    off = RouterCopies(dataclasses.replace(CONFIG, router_copies=2, recent_ttl_s=None), "kv_events",
+                       workers())
+    assert all(state.recent is None for state in off.copies)
