@@ -34,7 +34,8 @@ from kvmesh.cluster.recent_routes import RecentRoutes
 from kvmesh.cluster.routing_state import RoutingState
 from kvmesh.protocol import KVSnapshot
 
-_TICK, _DELIVER = 0, 1  # a load report sampled at the instant a delivery is due goes after it
+# At one instant a tick (reads the workers) comes before a delivery (writes the copies): independent.
+_TICK, _DELIVER = 0, 1
 
 
 def _never_stale(now: float | None = None) -> set[str]:
