@@ -12,6 +12,10 @@ after the compiled code is warmed up.
 The regions are compiled with dynamic shapes (the token count varies per step): one graph serves
 every layer and every batch size, plus the variants dynamo specialises (the first layer, which has
 no residual yet, and single-token steps).
+
+Measured on an H200 (docs/PERF.md "torch.compile"): no faster than the hand-fused kernels under
+the CUDA graphs (offline within noise, TPOT +4%), and a 1024-token eager prefill 2.3x slower; on
+the CPU no faster either. Hence off by default.
 """
 
 import torch
