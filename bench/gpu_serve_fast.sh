@@ -7,7 +7,7 @@
 source bench/gpu_env.sh
 source bench/gpu_serve_config.sh
 # DIRECT=8124: send the requests to the ingress replicas' own port (server.direct_http_port)
-B="python3 -m kvmesh.bench.serve --cpu-split${DIRECT:+ --direct-http-port $DIRECT}"
+B="python3 -m kvmesh.bench.serve --cpu-split --sample-s 1${DIRECT:+ --direct-http-port $DIRECT}"
 T=330 step "tenants, 2 replicas, open-loop sweep ${RATES:-40 52 64 76} req/s" $B --launch=/tmp/gpu2.yaml \
     --policies kv_events,round_robin --rate ${RATES:-40 52 64 76} --num-requests 1200 $TEN --seed ${SEED:-1} \
     --plot $OUT/fast_sweep${SEED:+_seed$SEED}${DIRECT:+_direct}.png --json $OUT/fast_sweep${SEED:+_seed$SEED}${DIRECT:+_direct}.json

@@ -27,6 +27,10 @@ def worker_rows(loads: dict[str, WorkerLoad], stats: dict[str, dict]) -> list[di
             # mean wall time of an engine step: well above the model's GPU time means the host
             # (scheduling, or the replica's event loop holding the GIL) is the limit
             "step_ms": round(1e3 * s.get("step_seconds", 0.0) / s["steps"], 3) if s.get("steps") else 0.0,
+            # the raw counters behind step_ms (not in the table): a sampler takes step times
+            # over an interval from their differences (kvmesh bench serve --sample-s)
+            "steps": s.get("steps", 0),
+            "step_seconds": round(s.get("step_seconds", 0.0), 6),
         })
     return rows
 

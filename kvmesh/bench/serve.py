@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --launch: serve also on the ingress replicas' own HTTP port "
                              "(server.direct_http_port) and send the requests there, not through "
                              "Serve's proxy")
+    parser.add_argument("--sample-s", type=float, default=0.0, metavar="S",
+                        help="every S seconds of a run, record each worker's running and waiting "
+                             "requests and its step time over the interval (JSON 'samples'; a summary "
+                             "line per worker)")
     parser.add_argument("--plot", metavar="PNG", help="with several --rate values: TTFT p99 and "
                         "throughput against the offered rate, one line per policy")
 
@@ -228,9 +232,57 @@ def bench_url(url: str, args) -> dict:
     vocab = args.vocab_size or vocab or 151936
     workload = build_trace(args, args.rate)
     before = _workers(url)
-    result = asyncio.run(run_trace(url, workload, args, vocab, model))
+    result = asyncio.run(_run_sampled(url, workload, args, vocab, model))
     result["workers"] = _worker_deltas(before, _workers(url))
     return result
+
+
+async def _run_sampled(url: str, workload, args, vocab_size: int, model: str) -> dict:
+    """run_trace, with the workers sampled every args.sample_s seconds beside it (when > 0)."""
+    if getattr(args, "sample_s", 0) <= 0:
+        return await run_trace(url, workload, args, vocab_size, model)
+    samples, stop = [], asyncio.Event()
+
+    async def sample():
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            rows = await asyncio.to_thread(_workers, url)
+            samples.append({"t": round(time.perf_counter() - t0, 3), "workers": {
+                w: {k: r.get(k, 0) for k in ("running", "waiting", "kv_used", "steps", "step_seconds")}
+                for w, r in rows.items()}})
+            try:
+                await asyncio.wait_for(stop.wait(), args.sample_s)
+            except asyncio.TimeoutError:
+                pass
+
+    sampler = asyncio.create_task(sample())
+    try:
+        result = await run_trace(url, workload, args, vocab_size, model)
+    finally:
+        stop.set()
+        await sampler
+    result["samples"] = samples
+    result["sampled"] = sample_summary(samples)
+    return result
+
+
+def sample_summary(samples: list[dict]) -> dict[str, dict]:
+    """Per worker over the samples: running p50 / max, waiting max, and the mean engine step of each
+    interval between two samples (p50 / max): how a worker's load and speed moved during the run."""
+    import numpy as np
+
+    out = {}
+    for w in sorted({w for s in samples for w in s["workers"]}):
+        seen = [s["workers"][w] for s in samples if w in s["workers"]]
+        steps = [1e3 * (b["step_seconds"] - a["step_seconds"]) / (b["steps"] - a["steps"])
+                 for a, b in zip(seen, seen[1:]) if b["steps"] > a["steps"]]
+        running = [x["running"] for x in seen]
+        out[w] = {"running_p50": float(np.median(running)) if running else 0.0,
+                  "running_max": max(running, default=0),
+                  "waiting_max": max((x["waiting"] for x in seen), default=0),
+                  "step_ms_p50": float(np.median(steps)) if steps else 0.0,
+                  "step_ms_max": max(steps, default=0.0)}
+    return out
 
 
 def _workers(url: str) -> dict[str, dict]:
@@ -385,6 +437,11 @@ def run(args) -> int:
                                for w, v in sorted(r.get("workers", {}).items()))
         if per_worker:
             print(f"  {name} workers: {per_worker}")
+        sampled = ", ".join(f"{w}: running {v['running_p50']:.0f}/{v['running_max']}, waiting max "
+                            f"{v['waiting_max']}, step {v['step_ms_p50']:.1f}/{v['step_ms_max']:.1f} ms"
+                            for w, v in r.get("sampled", {}).items())
+        if sampled:
+            print(f"  {name} sampled (p50/max): {sampled}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "handler"},

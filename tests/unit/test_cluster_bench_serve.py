@@ -54,3 +54,15 @@ def test_cluster_processes_are_told_apart_by_their_command_lines():
     assert serve.role_of("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x") == "ray"
     assert serve.role_of("ray::KVEventHub") == "kv event hub"
     assert serve.role_of("python -m pytest") is None
+
+
+def test_sample_summary_takes_step_times_over_each_interval():
+    def at(t, running, waiting, steps, seconds):
+        return {"t": t, "workers": {"w": {"running": running, "waiting": waiting, "kv_used": 0.1,
+                                          "steps": steps, "step_seconds": seconds}}}
+
+    samples = [at(0, 2, 0, 100, 1.0), at(1, 6, 3, 200, 2.0), at(2, 4, 1, 250, 3.0), at(3, 0, 0, 250, 3.0)]
+    s = serve.sample_summary(samples)["w"]
+    # intervals: 100 steps in 1.0 s (10 ms), 50 in 1.0 s (20 ms), none (idle: no step time)
+    assert s["step_ms_p50"] == pytest.approx(15.0) and s["step_ms_max"] == pytest.approx(20.0)
+    assert (s["running_p50"], s["running_max"], s["waiting_max"]) == (3.0, 6, 3)
