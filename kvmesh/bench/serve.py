@@ -227,10 +227,11 @@ def served_model(url: str) -> tuple[str, int | None]:
     return model["id"], model.get("vocab_size")
 
 
-def bench_url(url: str, args) -> dict:
+def bench_url(url: str, args, rate: float | None = None) -> dict:
+    """One run of the trace against `url`: open loop at `rate` requests/s, else closed loop."""
     model, vocab = served_model(url)
     vocab = args.vocab_size or vocab or 151936
-    workload = build_trace(args, args.rate)
+    workload = build_trace(args, rate)
     before = _workers(url)
     result = asyncio.run(_run_sampled(url, workload, args, vocab, model))
     result["workers"] = _worker_deltas(before, _workers(url))
@@ -239,7 +240,7 @@ def bench_url(url: str, args) -> dict:
 
 async def _run_sampled(url: str, workload, args, vocab_size: int, model: str) -> dict:
     """run_trace, with the workers sampled every args.sample_s seconds beside it (when > 0)."""
-    if getattr(args, "sample_s", 0) <= 0:
+    if args.sample_s <= 0:
         return await run_trace(url, workload, args, vocab_size, model)
     samples, stop = [], asyncio.Event()
 
@@ -404,7 +405,7 @@ def run(args) -> int:
         for rate in rates:
             label = name if len(rates) == 1 else f"{name} @ {rate:g}/s"
             split = CpuSplit(cluster_pid) if args.cpu_split and cluster_pid else None
-            rows[label] = bench_url(url, argparse.Namespace(**{**vars(args), "rate": rate}))
+            rows[label] = bench_url(url, args, rate)
             rows[label].update(policy=name, rate=rate)
             if split:
                 rows[label]["cpu_split"] = split.per_request(rows[label])
