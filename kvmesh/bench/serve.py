@@ -298,14 +298,18 @@ def _workers(url: str) -> dict[str, dict]:
 
 
 def _worker_deltas(before: dict, after: dict) -> dict[str, dict]:
-    """Requests and output tokens each worker served during the run, and its mean step time."""
+    """Requests and output tokens each worker served during the run, and its mean step time during
+    it (from the raw step counters; a cluster that does not report them gives its mean since start)."""
     out = {}
     for worker_id, a in after.items():
         b = before.get(worker_id, {})
+        steps = a.get("steps", 0) - b.get("steps", 0)
+        step_ms = (1e3 * (a["step_seconds"] - b.get("step_seconds", 0.0)) / steps if steps > 0
+                   else a.get("step_ms", 0.0))
         out[worker_id] = {"requests": a.get("requests", 0) - b.get("requests", 0),
                           "tokens_out": a.get("tokens_out", 0) - b.get("tokens_out", 0),
                           "preempted": a.get("preempted", 0) - b.get("preempted", 0),
-                          "step_ms": a.get("step_ms", 0.0), "hit_rate": a.get("hit_rate", 0.0)}
+                          "step_ms": step_ms, "hit_rate": a.get("hit_rate", 0.0)}
     return out
 
 

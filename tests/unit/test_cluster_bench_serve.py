@@ -66,3 +66,14 @@ def test_sample_summary_takes_step_times_over_each_interval():
     # intervals: 100 steps in 1.0 s (10 ms), 50 in 1.0 s (20 ms), none (idle: no step time)
     assert s["step_ms_p50"] == pytest.approx(15.0) and s["step_ms_max"] == pytest.approx(20.0)
     assert (s["running_p50"], s["running_max"], s["waiting_max"]) == (3.0, 6, 3)
+
+
+def test_a_runs_step_time_is_taken_over_the_run_not_since_the_worker_started():
+    # a sweep runs several rates on one cluster: the second run's step time is its own
+    before = {"w": {"requests": 10, "tokens_out": 500, "preempted": 0, "steps": 1000, "step_seconds": 5.0,
+                    "step_ms": 5.0, "hit_rate": 0.5}}
+    after = {"w": {"requests": 30, "tokens_out": 2500, "preempted": 2, "steps": 1500, "step_seconds": 10.0,
+                   "step_ms": 6.667, "hit_rate": 0.6}}
+    d = serve._worker_deltas(before, after)["w"]
+    assert (d["requests"], d["tokens_out"], d["preempted"]) == (20, 2000, 2)
+    assert d["step_ms"] == pytest.approx(10.0)  # 5 s over 500 steps, not the 6.7 ms since start
