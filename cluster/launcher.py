@@ -42,7 +42,10 @@ def start_ray(cfg: ServeConfig, address: str | None) -> str:
     if address is not None:
         ray.init(address=address, namespace="serve", logging_level="WARNING")
     else:
+        from kvmesh.cluster.ray_patches import HOOK
+
         kwargs = dict(include_dashboard=False, namespace="serve", logging_level="WARNING",
+                      runtime_env={"worker_process_setup_hook": HOOK},
                       object_store_memory=int(os.environ.get("KVMESH_OBJECT_STORE_BYTES",
                                                              DEFAULT_OBJECT_STORE_BYTES)))
         if loopback:

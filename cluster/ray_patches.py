@@ -1,0 +1,26 @@
+"""Code that runs in every Ray worker process of a local `kvmesh serve` before any actor starts:
+Ray's `worker_process_setup_hook` (set in `ray.init`'s job runtime_env by cluster/launcher.py, so the
+Serve controller, proxies and replicas all run it).
+
+Ray Serve 2.60 has no settings for some of what a server must control (which address its internal
+servers bind, limits on what its proxies read); the modules in PATCHES each adjust one such thing
+and say why. Each is a module with an `apply()` that is safe to call once per process and reads
+its settings from the environment the launcher set (the KVMESH_* variables below).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+logger = logging.getLogger("kvmesh.cluster")
+
+HOOK = "kvmesh.cluster.ray_patches.setup_worker"
+
+# Modules with an apply(); applied in this order.
+PATCHES: tuple[str, ...] = ()
+
+
+def setup_worker() -> None:
+    for name in PATCHES:
+        importlib.import_module(name).apply()
