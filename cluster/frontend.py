@@ -1,12 +1,18 @@
 """What the ingress does with a request before and after the workers: tokenize (with the chat
 template), check limits, hash the prompt's full blocks for the router, and account the result.
 Shared by the OpenAI HTTP routes and the gRPC service.
+
+Tokenizing is the one piece of request work whose cost grows with what a client sends, so a prompt
+is measured in characters first (refused over `limits.max_prompt_chars` before any tokenizing),
+and a long one is tokenized on a thread: the ingress's event loop, which streams every other
+client's tokens, never waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.cluster.metrics import IngressMetrics
@@ -15,6 +21,13 @@ from kvmesh.hashing import block_hashes
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.serve_config import ServeConfig
+from kvmesh.worker.chat_template import encode_chat
+
+# Prompts up to this many characters tokenize in well under a millisecond: on the event loop.
+INLINE_TOKENIZE_CHARS = 4096
+# Without limits.max_prompt_chars: this many characters per token of the prompt-token limit, more
+# than any vocabulary's tokens hold on average, so no prompt that fits in tokens is refused.
+CHARS_PER_TOKEN_BOUND = 32
 
 
 class Frontend:
@@ -30,6 +43,9 @@ class Frontend:
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._decode_cache: dict[int, str] = {}
+        # One thread: a tokenizer is not safe to call from two at once, and small prompts do not
+        # queue behind large ones (they stay on the loop).
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
 
     # ---- model ---------------------------------------------------------------------------------
 
@@ -48,18 +64,41 @@ class Frontend:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
+        num_chars = sum(len(m["content"]) for m in messages)
+        await self._check_chars(num_chars, "messages")
         # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
+                                    self.config.server.special_tokens_in_content)
 
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)  # as kvmesh.LLM.generate
+    async def encode_text(self, text: str) -> list[int]:
+        await self._check_chars(len(text), "prompt")
+        return await self._tokenize(len(text), self.tokenizer.encode, text,
+                                    add_special_tokens=False)  # as kvmesh.LLM.generate
+
+    async def max_prompt_chars(self) -> int:
+        limits = self.config.limits
+        if limits.max_prompt_chars is not None:
+            return limits.max_prompt_chars
+        max_tokens = limits.max_prompt_tokens or (await self.model_info()).max_model_len
+        return CHARS_PER_TOKEN_BOUND * max_tokens
+
+    async def _check_chars(self, num_chars: int, param: str) -> None:
+        limit = await self.max_prompt_chars()
+        if num_chars > limit:
+            source = ("limits.max_prompt_chars" if self.config.limits.max_prompt_chars is not None
+                      else f"{CHARS_PER_TOKEN_BOUND} x the prompt token limit; limits.max_prompt_chars")
+            raise ApiError(400, f"the prompt is {num_chars} characters; the limit is {limit} "
+                           f"({source})", param=param, code="context_length_exceeded")
+
+    async def _tokenize(self, num_chars: int, fn, *args, **kwargs) -> list[int]:
+        if num_chars <= INLINE_TOKENIZE_CHARS:
+            return list(fn(*args, **kwargs))
+        loop = asyncio.get_running_loop()
+        return list(await loop.run_in_executor(self._tokenize_pool, lambda: fn(*args, **kwargs)))
 
     def decode_token(self, token_id: int) -> str:
         text = self._decode_cache.get(token_id)

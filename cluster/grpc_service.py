@@ -118,9 +118,9 @@ class GrpcService:
         fe.check_model(request.model)
         if request.messages:
             msgs = [{"role": m.role, "content": m.content} for m in request.messages]
-            prompt_ids, param = fe.encode_chat(msgs), "messages"
+            prompt_ids, param = await fe.encode_chat(msgs), "messages"
         elif request.prompt:
-            prompt_ids, param = fe.encode_text(request.prompt), "prompt"
+            prompt_ids, param = await fe.encode_text(request.prompt), "prompt"
         else:
             prompt_ids, param = list(request.prompt_token_ids), "prompt_token_ids"
         self.limits.check_prompt(len(prompt_ids), param)

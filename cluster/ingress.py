@@ -11,6 +11,7 @@ import json
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -30,7 +31,10 @@ from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, Com
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
 from kvmesh.serve_config import parse_config
 
-app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster")
+# FastAPI's own docs routes answer anyone: off here, and served by the ingress below (behind the
+# API key) only when server.api_docs is on.
+app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -98,6 +102,25 @@ class Ingress(GrpcService):
         return Response(self.frontend.metrics.render(loads, stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        if (denied := self._docs_denied(request)) is not None:
+            return denied
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        if (denied := self._docs_denied(request)) is not None:
+            return denied
+        return get_swagger_ui_html(openapi_url=f"{self.config.route_prefix.rstrip('/')}/openapi.json",
+                                   title="kvmesh API")
+
+    def _docs_denied(self, request: Request) -> JSONResponse | None:
+        if not self.config.server.api_docs:
+            return JSONResponse(error_body("the API docs are off (server.api_docs)",
+                                           "invalid_request_error", None, "not_found"), status_code=404)
+        return self._auth(request)
+
     # ---- HTTP: generation ----------------------------------------------------------------------
 
     @app.post("/v1/chat/completions")
@@ -124,7 +147,7 @@ class Ingress(GrpcService):
             cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(body, cls)
             self.frontend.check_model(req.model)
-            prompt_ids, param = self._prompt_ids(req, kind)
+            prompt_ids, param = await self._prompt_ids(req, kind)
             self.limits.check_prompt(len(prompt_ids), param)
             info = await self.frontend.check_prompt(prompt_ids, param)
             max_param = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
@@ -148,9 +171,9 @@ class Ingress(GrpcService):
             self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
             return _error_response(e)
 
-    def _prompt_ids(self, req, kind: str) -> tuple[list[int], str]:
+    async def _prompt_ids(self, req, kind: str) -> tuple[list[int], str]:
         if kind == "chat":
-            return self.frontend.encode_chat(chat_prompt_text(req.messages)), "messages"
+            return await self.frontend.encode_chat(chat_prompt_text(req.messages)), "messages"
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -158,7 +181,7 @@ class Ingress(GrpcService):
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.frontend.encode_text(prompt), "prompt"
+            return await self.frontend.encode_text(prompt), "prompt"
         return list(prompt), "prompt"
 
     async def _whole(self, routed, shaper: Shaper, param: str):

@@ -36,8 +36,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 class _Request(BaseModel):
     # Unknown keys are ignored (clients send many optional ones); the unsupported ones that change
-    # the meaning of a request are listed in UNSUPPORTED and rejected.
-    model_config = ConfigDict(extra="allow")
+    # the meaning of a request are listed in UNSUPPORTED and rejected. Strict: a number is a JSON
+    # number, never "10" or true (an integer is still a valid float).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     stream: bool = False
@@ -58,7 +59,7 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -91,8 +92,9 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        # A union reports one error per branch: the one that got deepest says the most.
+        err = max(e.errors(), key=lambda err: len(err["loc"]))
+        param = _field_path(body, err["loc"])
         raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
@@ -102,6 +104,24 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
     if isinstance(req, CompletionRequest) and req.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     return req
+
+
+def _field_path(body: Any, loc: tuple) -> str | None:
+    """The request field an error is about: pydantic's location without the union branch names
+    it adds (prompt.str -> prompt, messages.0.content.list[...].0 -> messages.0.content.0)."""
+    path, node = [], body
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(node, (dict, list)) and not path and isinstance(part, str):
+            path.append(part)  # a missing top-level field
+            break
+        else:
+            continue  # a union branch or type name, not a place in the body
+        path.append(str(part))
+    return ".".join(path) or None
 
 
 def chat_prompt_text(messages: list[ChatMessage]) -> list[dict[str, str]]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from kvmesh.config import EngineConfig
 from kvmesh.protocol import EngineRequest, RequestOutput, TokenDelta
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.chat_template import encode_chat
 from kvmesh.worker.engine import Engine
 
 
@@ -40,10 +41,7 @@ class LLM:
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"model {self.engine.model_name!r} has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_chat(self.tokenizer, messages)  # content is text: no forged turns
 
     # ---- generation --------------------------------------------------------------------------
 

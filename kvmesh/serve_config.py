@@ -103,6 +103,8 @@ class ServerSection(_Strict):
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication (the KVMESH_API_KEYS environment variable of the ingress adds more, e.g. from a Kubernetes Secret).")
     auth_health: bool = Field(False, description="With API keys set, /health and gRPC Health need a key too (off: open to load balancers).")
     auth_metrics: bool = Field(False, description="With API keys set, /metrics needs a key too (off: open to Prometheus).")
+    special_tokens_in_content: bool = Field(False, description="Tokenize special-token strings inside chat message content as control tokens (off: as text, so a user cannot forge a system turn with <|im_start|>system).")
+    api_docs: bool = Field(False, description="Serve the API's OpenAPI schema and docs pages (/openapi.json, /docs), behind the API key when keys are set.")
 
 
 class LimitsSection(_Strict):
@@ -111,6 +113,7 @@ class LimitsSection(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens; null = the model's max_model_len minus 1.")
     max_output_tokens: int | None = Field(None, ge=1, description="Largest max_tokens a request may ask for, and the default when it asks for none; null = the context left after the prompt.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest HTTP request body in bytes; beyond it 413.")
+    max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (all message contents of a chat), refused with 400 before it is tokenized; null = 32 x the prompt token limit.")
 
 
 class ServeConfig(_Strict):

@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
         "engine": {"device": "cpu", "kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 8},
         "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 4,
                      "max_queued_requests": 4},
-        "server": {"auth_metrics": True},
+        "server": {"auth_metrics": True, "api_docs": True},
         "limits": {"max_prompt_tokens": 100, "max_output_tokens": MAX_OUTPUT,
                    "max_body_bytes": 16384},
     }))
@@ -183,6 +183,27 @@ def test_prompt_and_output_limits_name_the_field(cluster):
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_stream(cluster.grpc_target, prompt="abc", max_tokens=MAX_OUTPUT + 1, api_key=CLI_KEY))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+
+
+def test_a_prompt_over_the_character_limit_is_refused_before_tokenizing(cluster):
+    # limits.max_prompt_chars unset: 32 characters per token of max_prompt_tokens (100)
+    status, body, _ = completion(cluster, {"prompt": "a" * 3201, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert "3201 characters; the limit is 3200" in body["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, messages=[{"role": "user", "content": "a" * 3201}],
+                         api_key=CLI_KEY))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in e.value.details()
+
+
+def test_api_docs_when_on_need_the_key(cluster):
+    for path in ("/openapi.json", "/docs"):
+        status, body, _ = http(cluster.http_url + path, method="GET")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", path
+    status, schema, _ = http(cluster.http_url + "/openapi.json", headers=auth(CLI_KEY), method="GET")
+    assert status == 200 and "/v1/chat/completions" in schema["paths"]
+    status, page, _ = http(cluster.http_url + "/docs", headers=auth(CLI_KEY), method="GET")
+    assert status == 200 and "swagger" in page["raw"].lower()
 
 
 # ---- overload ------------------------------------------------------------------------------------

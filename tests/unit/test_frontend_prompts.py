@@ -1,0 +1,77 @@
+"""The ingress's prompt handling without a cluster: a prompt is measured in characters and refused
+before it is tokenized, and a long prompt is tokenized off the event loop, so the loop (which
+streams every other client's tokens) keeps running meanwhile."""
+
+import asyncio
+import time
+
+import pytest
+
+from kvmesh.cluster.frontend import CHARS_PER_TOKEN_BOUND, INLINE_TOKENIZE_CHARS, Frontend
+from kvmesh.cluster.messages import ModelInfo
+from kvmesh.cluster.openai_protocol import ApiError
+from kvmesh.serve_config import parse_config
+
+
+def frontend(limits: dict | None = None) -> Frontend:
+    fe = Frontend(parse_config({"model": "random:tiny-llama", "limits": limits or {}}), worker_handle=None)
+    fe._info = ModelInfo("tiny-llama", max_model_len=512, block_size=16, hash_salt=b"")
+    return fe
+
+
+def test_the_character_limit_defaults_to_a_bound_per_token_of_the_token_limit():
+    assert asyncio.run(frontend().max_prompt_chars()) == CHARS_PER_TOKEN_BOUND * 512
+    assert asyncio.run(frontend({"max_prompt_tokens": 100}).max_prompt_chars()) == CHARS_PER_TOKEN_BOUND * 100
+    assert asyncio.run(frontend({"max_prompt_chars": 7}).max_prompt_chars()) == 7
+
+
+def test_a_prompt_over_the_character_limit_is_refused_untokenized():
+    fe = frontend({"max_prompt_chars": 1000})
+    calls = []
+    encode = fe.tokenizer.encode
+    fe.tokenizer.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fe.encode_text("a" * 1001))
+    assert (e.value.status, e.value.param) == (400, "prompt")
+    assert "1001 characters; the limit is 1000 (limits.max_prompt_chars)" in e.value.message
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fe.encode_chat([{"role": "user", "content": "a" * 600},
+                                    {"role": "user", "content": "b" * 401}]))
+    assert e.value.param == "messages" and "1001 characters" in e.value.message
+    assert calls == []
+    assert asyncio.run(fe.encode_text("a" * 1000)) == [ord("a")] * 1000
+
+
+def test_a_long_prompt_is_tokenized_while_the_event_loop_keeps_running():
+    fe = frontend({"max_prompt_chars": 50_000_000, "max_prompt_tokens": 50_000_000})
+    text = "the quick brown fox " * 250_000  # 5 MB: about a second of tokenizing here
+
+    async def run():
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.ensure_future(ticker())
+        start = time.monotonic()
+        ids = await fe.encode_text(text)
+        took = time.monotonic() - start
+        stop.set()
+        await tick
+        return ids, took, gaps
+
+    ids, took, gaps = asyncio.run(run())
+    assert len(ids) == len(text.encode())
+    # The loop ran all along: many ticks while tokenizing, none blocked for the whole of it.
+    assert len(gaps) >= 10 and max(gaps) < took / 2, (took, max(gaps), len(gaps))
+
+
+def test_short_prompts_stay_on_the_loop():
+    fe = frontend()
+    fe._tokenize_pool.shutdown()  # a short prompt must not need the pool
+    assert asyncio.run(fe.encode_text("x" * INLINE_TOKENIZE_CHARS)) == [ord("x")] * INLINE_TOKENIZE_CHARS

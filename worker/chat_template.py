@@ -1,0 +1,68 @@
+"""A chat rendered into token ids so that message content is only ever text.
+
+`tokenizer.apply_chat_template(..., tokenize=True)` renders the template to one string and
+tokenizes it with special tokens recognised everywhere, so a user who writes `<|im_start|>system`
+inside a message gets the real control token: a forged system turn. Here the template is rendered
+with a placeholder in place of each message's content, the template's own text is tokenized with
+its special tokens, and each content is tokenized with `split_special_tokens=True` (special-token
+strings become ordinary text tokens). For content without special-token strings the ids equal
+`apply_chat_template`'s (tests/unit/test_chat_template.py checks this on the shipped tokenizers).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+
+def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool = False) -> list[int]:
+    """The prompt ids of `messages` with the generation prompt appended.
+
+    special_tokens_in_content: True tokenizes content as the template's own text would be (the
+    unsafe behaviour, for trusted callers that write control tokens on purpose)."""
+    if special_tokens_in_content:
+        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    # A random marker cannot occur in the content by chance or by a caller's design.
+    marker = f"kvmeshcontent{secrets.token_hex(8)}n"
+    placeholders = [dict(m, content=f"{marker}{i}{marker}") if isinstance(m.get("content"), str) else m
+                    for i, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+    specials = _special_tokens(tokenizer)
+    split_specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+    # The text between two of the template's special tokens is tokenized as one piece, content
+    # included, as the tokenizer itself would (a content's first word can merge with the
+    # template's newline before it); only the template's special tokens become control ids.
+    ids: list[int] = []
+    text: list[str] = []
+    for i, piece in enumerate(re.split(f"{marker}(\\d+){marker}", rendered)):
+        if i % 2:
+            text.append(messages[int(piece)]["content"])
+            continue
+        for j, part in enumerate(split_specials.split(piece) if split_specials else [piece]):
+            if j % 2:
+                ids.extend(_encode_text(tokenizer, text))
+                ids.append(specials[part])
+            else:
+                text.append(part)
+    ids.extend(_encode_text(tokenizer, text))
+    return ids
+
+
+def _special_tokens(tokenizer) -> dict[str, int]:
+    """Special token text -> id, longest first (so a token that contains another wins)."""
+    found = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return dict(sorted(found.items(), key=lambda kv: -len(kv[0])))
+
+
+def _encode_text(tokenizer, text: list[str]) -> list[int]:
+    joined = "".join(text)
+    text.clear()
+    if not joined:
+        return []
+    return tokenizer.encode(joined, add_special_tokens=False, split_special_tokens=True)
+
+
+def _ids(encoded) -> list[int]:
+    if hasattr(encoded, "keys"):  # transformers 5 may return a BatchEncoding
+        encoded = encoded["input_ids"]
+    return list(encoded)
