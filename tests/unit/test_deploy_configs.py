@@ -68,7 +68,7 @@ def test_gcp_gpu_nodes_get_drivers_and_cannot_live_migrate():
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)
 def test_setup_installs_this_checkout_of_kvmesh(name):
     config = prepared(name)
-    assert config["file_mounts"] == {"~/kvmesh": "."}
+    assert config["file_mounts"]["~/kvmesh"] == "."
     assert any('pip install -e "$HOME/kvmesh[serve]"' in c for c in config["head_setup_commands"])
     assert any('pip install -e "$HOME/kvmesh[serve,gpu]"' in c for c in config["worker_setup_commands"])
     assert "**/.git" in config["rsync_exclude"]
@@ -88,6 +88,66 @@ def test_head_starts_ray_with_the_autoscaler_then_kvmesh_serve(name):
     cli = pytest.importorskip("kvmesh.cli")
     args = cli.build_parser().parse_args(argv[2:])
     assert (args.command, args.config, args.address) == ("serve", "deploy/serve.yaml", "auto")
+
+
+def _ray_start_env(command: str) -> dict[str, str]:
+    """The VAR=value assignments a `ray start` command line runs with."""
+    words = shlex.split(command.replace(";", " ; "))
+    start = words.index("ray")
+    assert words[start + 1] == "start", command
+    env_words = words[words.index(";") + 1:start]
+    return dict(word.split("=", 1) for word in env_words)
+
+
+def _ray_start_commands(config: dict) -> dict[str, str]:
+    [head] = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    [worker] = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
+    return {"head": head, "worker": worker}
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_every_node_starts_ray_with_token_auth_from_the_mounted_token_file(name):
+    config = prepared(name)
+    token_path = "$HOME/.ray/auth_token"
+    for role, command in _ray_start_commands(config).items():
+        env = _ray_start_env(command)
+        assert env["RAY_AUTH_MODE"] == "token", role
+        assert env["RAY_AUTH_TOKEN_PATH"] == token_path, role
+    # The token file: from the operator's machine to Ray's default token path on every node
+    # (ray up copies file_mounts to the head, and the head's autoscaler to each worker).
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/kvmesh_auth_token"
+    # ray exec / ray attach shells and the head's kvmesh serve (every command sources ~/.bashrc).
+    export = f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path}"
+    for commands in (config["head_setup_commands"], config["worker_setup_commands"]):
+        assert any(f"echo '{export}' >> ~/.bashrc" in c for c in commands)
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_every_node_caps_serve_grpc_messages_and_runs_the_same_ray_environment(name):
+    commands = _ray_start_commands(prepared(name))
+    head_env, worker_env = (_ray_start_env(commands[role]) for role in ("head", "worker"))
+    assert head_env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(4 * 1024 * 1024)
+    assert head_env == worker_env
+    assert head_env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    for command in commands.values():
+        assert "--metrics-export-port=8080" in command and "--object-manager-port=8076" in command
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_the_dashboard_listens_on_the_heads_loopback_only(name):
+    head = _ray_start_commands(prepared(name))["head"]
+    assert "--dashboard-host=127.0.0.1" in head
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_no_node_type_opens_ports_beyond_rays_defaults(name):
+    """No security group, firewall rule or public port of our own: the cloud's rules are Ray's defaults,
+    as docs/DEPLOY.md "Network model (multi-node)" describes them."""
+    config = load(name)
+    assert "security_group" not in config["provider"]
+    for node_type in config["available_node_types"].values():
+        node_config = node_type["node_config"]
+        assert not {"SecurityGroupIds", "NetworkInterfaces", "networkInterfaces", "tags"} & set(node_config)
 
 
 def test_the_served_config_is_a_valid_gpu_serving_config():
