@@ -9,20 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-DEPLOY = REPO / "deploy"
 CLOUD_CONFIGS = ["aws.yaml", "gcp.yaml"]
 ALL_CONFIGS = CLOUD_CONFIGS + ["local-fake.yaml"]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # helm_support
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # deploy_support, helm_support
+
+from deploy_support import DEPLOY, load, ray_start_commands, ray_start_env  # noqa: E402
 
 ray_util = pytest.importorskip("ray.autoscaler._private.util", reason="ray is not installed (pip install -e '.[serve]')")
-
-
-def load(name: str) -> dict:
-    return yaml.safe_load((DEPLOY / name).read_text())
 
 
 def prepared(name: str) -> dict:
@@ -95,27 +91,12 @@ def test_head_starts_ray_with_the_autoscaler_then_kvmesh_serve(name):
     assert (args.command, args.config, args.address) == ("serve", "deploy/serve.yaml", "auto")
 
 
-def _ray_start_env(command: str) -> dict[str, str]:
-    """The VAR=value assignments a `ray start` command line runs with."""
-    words = shlex.split(command.replace(";", " ; "))
-    start = words.index("ray")
-    assert words[start + 1] == "start", command
-    env_words = words[words.index(";") + 1:start]
-    return dict(word.split("=", 1) for word in env_words)
-
-
-def _ray_start_commands(config: dict) -> dict[str, str]:
-    [head] = [c for c in config["head_start_ray_commands"] if "ray start" in c]
-    [worker] = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
-    return {"head": head, "worker": worker}
-
-
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)
 def test_every_node_starts_ray_with_token_auth_from_the_mounted_token_file(name):
     config = prepared(name)
     token_path = "$HOME/.ray/auth_token"
-    for role, command in _ray_start_commands(config).items():
-        env = _ray_start_env(command)
+    for role, command in ray_start_commands(config).items():
+        env = ray_start_env(command)
         assert env["RAY_AUTH_MODE"] == "token", role
         assert env["RAY_AUTH_TOKEN_PATH"] == token_path, role
     # The token file: from the operator's machine to Ray's default token path on every node
@@ -148,8 +129,8 @@ def test_ray_up_needs_the_token_file_and_a_new_token_changes_the_config_hash(tmp
 
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)
 def test_every_node_caps_serve_grpc_messages_and_runs_the_same_ray_environment(name):
-    commands = _ray_start_commands(prepared(name))
-    head_env, worker_env = (_ray_start_env(commands[role]) for role in ("head", "worker"))
+    commands = ray_start_commands(prepared(name))
+    head_env, worker_env = (ray_start_env(commands[role]) for role in ("head", "worker"))
     assert head_env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(4 * 1024 * 1024)
     assert head_env == worker_env
     assert head_env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
@@ -159,7 +140,7 @@ def test_every_node_caps_serve_grpc_messages_and_runs_the_same_ray_environment(n
 
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)
 def test_the_dashboard_listens_on_the_heads_loopback_only(name):
-    head = _ray_start_commands(prepared(name))["head"]
+    head = ray_start_commands(prepared(name))["head"]
     assert "--dashboard-host=127.0.0.1" in head
 
 
@@ -241,7 +222,7 @@ def test_network_model_ports_are_the_ones_ray_up_and_ray_use(name):
     from ray._private import ray_constants
     from ray.scripts import scripts
 
-    commands = _ray_start_commands(prepared(name))
+    commands = ray_start_commands(prepared(name))
     head, worker = commands["head"], commands["worker"]
     ray_start_defaults = {p.name: p.default for p in scripts.start.params}
     assert "ray_client_server_port = 10001" in Path(scripts.__file__).read_text()  # Ray's client default
@@ -271,7 +252,7 @@ def test_network_model_ports_are_the_ones_ray_up_and_ray_use(name):
     # Every Ray port is guarded by the token, which every node of the config turns on.
     ray_rows = [row for listener, row in rows.items() if "Ray" in listener and listener != "Ray metrics"]
     assert ray_rows and all(row["authenticated by"] == "Ray token" for row in ray_rows)
-    assert _ray_start_env(head)["RAY_AUTH_MODE"] == _ray_start_env(worker)["RAY_AUTH_MODE"] == "token"
+    assert ray_start_env(head)["RAY_AUTH_MODE"] == ray_start_env(worker)["RAY_AUTH_MODE"] == "token"
 
 
 def test_network_model_ports_are_the_ones_the_helm_chart_declares_and_exposes():
