@@ -3,9 +3,10 @@
 A Ray head starts on 127.0.0.1 with exactly the environment of deploy/aws.yaml's head `ray start`
 (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH=$HOME/.ray/auth_token, where file_mounts puts the
 token), in a PID namespace of its own (test_fake_cluster.PidNamespace) so that nothing here can
-stop another Ray on the machine. Then: the dashboard refuses a caller without the token, the GCS
-refuses a wrong token, the metrics port needs none, and a client with the token file of
-deploy/aws.yaml's `~/.bashrc` line gets through.
+stop another Ray on the machine. Then: the dashboard and the dashboard agent refuse a caller
+without the token (their health checks stay open), the GCS refuses a wrong token, the metrics
+port needs none, and a client with the token file of deploy/aws.yaml's `~/.bashrc` line gets
+through.
 """
 
 import os
@@ -74,6 +75,9 @@ def test_the_ray_up_head_environment_makes_every_ray_port_ask_for_the_token(toke
     assert http_status(dashboard) == 401
     assert http_status(dashboard, {"Authorization": f"Bearer {token}"}) == 200
     assert http_status(f"http://127.0.0.1:{ports['metrics']}/metrics") == 200  # Prometheus: no token
+    agent = f"http://127.0.0.1:{ports['agent']}"
+    wait_for("the dashboard agent", lambda: http_status(f"{agent}/api/local_raylet_healthz") == 200, 60)
+    assert http_status(f"{agent}/api/v0/anything") == 401
 
     def ray_status(extra_env: dict) -> subprocess.CompletedProcess:
         return subprocess.run(token_cluster["namespace"].command([ray, "status", f"--address=127.0.0.1:{ports['gcs']}"]),
