@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CLOUD_CONFIGS = ["aws.yaml", "gcp.yaml"]
@@ -171,6 +172,7 @@ def test_local_fake_names_rays_fake_provider_and_a_worker_only_resource():
     provider = getattr(importlib.import_module(module_name), class_name)
     assert provider.__name__ == "FakeMultiNodeProvider"
     assert config["provider"]["use_node_id_as_ip"] is True
+    assert config["provider"]["gcs_address"].startswith("127.0.0.1:")  # docs/DEPLOY.md "Network model"
     types = config["available_node_types"]
     assert "kvmesh_worker" not in types[config["head_node_type"]]["resources"]
     assert types["ray.worker.cpu"]["resources"]["kvmesh_worker"] == 1
@@ -248,6 +250,7 @@ def test_network_model_ports_are_the_ones_ray_up_and_ray_use(name):
     }
     rows = _network_model_rows()
     assert {listener: row["port"] for listener, row in rows.items()} == expected
+    assert serving.server.direct_http_port == 0  # off, so not in the table
     assert rows["Ray dashboard and job API"]["`ray up` (AWS, GCP)"].startswith("the head's 127.0.0.1 only")
     # Every Ray port is guarded by the token, which every node of the config turns on.
     ray_rows = [row for listener, row in rows.items() if "Ray" in listener and listener != "Ray metrics"]
@@ -259,7 +262,10 @@ def test_network_model_ports_are_the_ones_the_helm_chart_declares_and_exposes():
     from helm_support import manifests, one
 
     objects = manifests()
-    spec = one(objects, "RayService")["spec"]["rayClusterConfig"]
+    rayservice = one(objects, "RayService")
+    assert yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]["server"][
+        "direct_http_port"] == 0  # off, so not in the table
+    spec = rayservice["spec"]["rayClusterConfig"]
     head_ports = {str(p["containerPort"]) for p in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
     [worker] = spec["workerGroupSpecs"]
     worker_ports = {str(p["containerPort"]) for p in worker["template"]["spec"]["containers"][0]["ports"]}
