@@ -19,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # deploy_support, helm
 
 from deploy_support import DEPLOY, load, ray_start_commands, ray_start_env  # noqa: E402
 
+from kvmesh import serve_config as serving  # noqa: E402
+
 ray_util = pytest.importorskip("ray.autoscaler._private.util", reason="ray is not installed (pip install -e '.[serve]')")
 
 
@@ -160,7 +162,6 @@ def test_the_served_config_is_a_valid_gpu_serving_config():
     serve_yaml = DEPLOY / "serve.yaml"
     if not serve_yaml.is_file():
         pytest.skip("deploy/serve.yaml (the cluster engineer's) is not there yet")
-    serving = _serve_config()
     config = serving.load_config(str(serve_yaml))
     assert config.replicas.num_gpus >= 1  # one replica per GPU of the worker node types
     assert config.server.host == "0.0.0.0"  # reachable through `ray attach -p` and from other nodes
@@ -180,7 +181,7 @@ def test_local_fake_names_rays_fake_provider_and_a_worker_only_resource():
 
 
 def test_local_fake_serving_config_places_cpu_replicas_on_worker_nodes_only():
-    config = _serve_config().load_config(str(DEPLOY / "local-fake-serve.yaml"))
+    config = serving.load_config(str(DEPLOY / "local-fake-serve.yaml"))
     assert config.model == "random:tiny-llama"
     assert (config.replicas.num_gpus, config.engine.device) == (0, "cpu")
     assert config.replicas.resources == {"kvmesh_worker": 1.0}
@@ -188,15 +189,6 @@ def test_local_fake_serving_config_places_cpu_replicas_on_worker_nodes_only():
     cluster = load("local-fake.yaml")
     max_nodes = cluster["available_node_types"]["ray.worker.cpu"]["max_workers"]
     assert config.autoscaling.enabled and config.autoscaling.max_replicas <= max_nodes
-
-
-def _serve_config():
-    try:
-        return importlib.import_module("kvmesh.serve_config")
-    except ModuleNotFoundError as error:
-        if error.name != "kvmesh.serve_config":
-            raise
-        pytest.skip("kvmesh.serve_config is not there yet")
 
 
 # --- docs/DEPLOY.md "Network model (multi-node)" against the configs and Ray ---------------------
@@ -228,7 +220,7 @@ def test_network_model_ports_are_the_ones_ray_up_and_ray_use(name):
     head, worker = commands["head"], commands["worker"]
     ray_start_defaults = {p.name: p.default for p in scripts.start.params}
     assert "ray_client_server_port = 10001" in Path(scripts.__file__).read_text()  # Ray's client default
-    serving = _serve_config().load_config(str(DEPLOY / "serve.yaml"))
+    served = serving.load_config(str(DEPLOY / "serve.yaml"))
     gcs_port = _flag(head, "--port")
     assert worker.split("--address=$RAY_HEAD_IP:", 1)[1].split()[0] == gcs_port
     assert _flag(head, "--metrics-export-port") == _flag(worker, "--metrics-export-port")
@@ -237,8 +229,8 @@ def test_network_model_ports_are_the_ones_ray_up_and_ray_use(name):
         assert not {"--dashboard-port", "--ray-client-server-port", "--min-worker-port", "--max-worker-port",
                     "--dashboard-agent-listen-port"} & {w.split("=")[0] for w in shlex.split(command)}
     expected = {
-        "OpenAI HTTP API (Serve proxy)": str(serving.server.http_port),
-        "gRPC API (Serve proxy)": str(serving.server.grpc_port),
+        "OpenAI HTTP API (Serve proxy)": str(served.server.http_port),
+        "gRPC API (Serve proxy)": str(served.server.grpc_port),
         "Ray metrics": _flag(head, "--metrics-export-port"),
         "Ray GCS": gcs_port,
         "Ray dashboard and job API": str(ray_constants.DEFAULT_DASHBOARD_PORT),
@@ -250,7 +242,7 @@ def test_network_model_ports_are_the_ones_ray_up_and_ray_use(name):
     }
     rows = _network_model_rows()
     assert {listener: row["port"] for listener, row in rows.items()} == expected
-    assert serving.server.direct_http_port == 0  # off, so not in the table
+    assert served.server.direct_http_port == 0  # off, so not in the table
     assert rows["Ray dashboard and job API"]["`ray up` (AWS, GCP)"].startswith("the head's 127.0.0.1 only")
     # Every Ray port is guarded by the token, which every node of the config turns on.
     ray_rows = [row for listener, row in rows.items() if "Ray" in listener and listener != "Ray metrics"]

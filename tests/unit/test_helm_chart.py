@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # helm_support, helm_v
 from helm_support import CHART, NAMESPACE, REPO, helm, manifests, one, render, serve_config  # noqa: E402
 from helm_values import BAD_VALUES, VALUE_SETS  # noqa: E402
 
+from kvmesh import serve_config as serving  # noqa: E402
+
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_lint_strict_is_clean(name):
@@ -43,17 +45,7 @@ def test_serve_config_carries_the_kvmesh_config_as_build_app_args():
     assert config["proxy_location"] == "EveryNode"
 
 
-def _serve_config_module():
-    try:
-        return importlib.import_module("kvmesh.serve_config")
-    except ModuleNotFoundError as error:
-        if error.name != "kvmesh.serve_config":
-            raise
-        pytest.skip("kvmesh.serve_config is not there yet: the chart's args cannot be checked against it")
-
-
 def test_default_args_are_the_serving_config_defaults_listening_on_all_interfaces():
-    serving = _serve_config_module()
     args = serve_config(one(manifests(), "RayService"))["applications"][0]["args"]
     expected = serving.ServeConfig().to_dict()
     expected["server"]["host"] = "0.0.0.0"  # reachable from the Services, unlike the local default
@@ -62,13 +54,11 @@ def test_default_args_are_the_serving_config_defaults_listening_on_all_interface
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_rendered_args_pass_the_serving_config_validation(name):
-    serving = _serve_config_module()
     args = serve_config(one(manifests(VALUE_SETS[name]), "RayService"))["applications"][0]["args"]
     serving.parse_config(args)
 
 
 def test_values_and_schema_offer_exactly_the_serving_config_fields():
-    serving = _serve_config_module()
     fields = {name for name, _ in serving.describe_fields()}
     values = yaml.safe_load((CHART / "values.yaml").read_text())["kvmesh"]
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["kvmesh"]
@@ -325,7 +315,6 @@ def test_values_yaml_defaults_match_the_schema_and_the_serving_config_defaults()
 
 def test_serve_config_v2_is_what_kvmesh_serve_emits_for_the_same_config():
     """Helm and `kvmesh serve --emit-serve-config` deploy the same thing from deploy/serve.yaml."""
-    serving = _serve_config_module()
     try:
         app = importlib.import_module("kvmesh.cluster.app")
     except ModuleNotFoundError as error:
