@@ -98,11 +98,3 @@ def test_helm_chart_without_a_secret_sets_no_key_variable():
     rs = one(manifests(), "RayService")
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "KVMESH_API_KEYS" not in _container_env(head)
-
-
-def test_no_shipped_deploy_config_or_chart_render_turns_ray_token_auth_off():
-    from helm_support import REPO, render
-
-    texts = [p.read_text() for p in (REPO / "deploy").rglob("*.yaml")]
-    texts += list(render({"apiKeysSecret": {"name": "kvmesh-keys"}}).values())
-    assert texts and not any("RAY_AUTH_MODE" in t for t in texts)

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # helm_support, helm_v
 from helm_support import CHART, NAMESPACE, REPO, helm, manifests, one, render, serve_config  # noqa: E402
 from helm_values import BAD_VALUES, VALUE_SETS  # noqa: E402
 
+from kvmesh import serve_config as serving  # noqa: E402
+
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_lint_strict_is_clean(name):
@@ -43,17 +45,7 @@ def test_serve_config_carries_the_kvmesh_config_as_build_app_args():
     assert config["proxy_location"] == "EveryNode"
 
 
-def _serve_config_module():
-    try:
-        return importlib.import_module("kvmesh.serve_config")
-    except ModuleNotFoundError as error:
-        if error.name != "kvmesh.serve_config":
-            raise
-        pytest.skip("kvmesh.serve_config is not there yet: the chart's args cannot be checked against it")
-
-
 def test_default_args_are_the_serving_config_defaults_listening_on_all_interfaces():
-    serving = _serve_config_module()
     args = serve_config(one(manifests(), "RayService"))["applications"][0]["args"]
     expected = serving.ServeConfig().to_dict()
     expected["server"]["host"] = "0.0.0.0"  # reachable from the Services, unlike the local default
@@ -62,13 +54,11 @@ def test_default_args_are_the_serving_config_defaults_listening_on_all_interface
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_rendered_args_pass_the_serving_config_validation(name):
-    serving = _serve_config_module()
     args = serve_config(one(manifests(VALUE_SETS[name]), "RayService"))["applications"][0]["args"]
     serving.parse_config(args)
 
 
 def test_values_and_schema_offer_exactly_the_serving_config_fields():
-    serving = _serve_config_module()
     fields = {name for name, _ in serving.describe_fields()}
     values = yaml.safe_load((CHART / "values.yaml").read_text())["kvmesh"]
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["kvmesh"]
@@ -116,17 +106,62 @@ def test_autoscaler_is_off_unless_kvmesh_autoscaling_is_enabled():
     assert "autoscalerOptions" not in spec
 
 
-def test_every_ray_node_runs_serve_throughput_optimized_unless_turned_off():
-    def envs(values):
-        spec = one(manifests(values), "RayService")["spec"]["rayClusterConfig"]
-        containers = [spec["headGroupSpec"]["template"]["spec"]["containers"][0]]
-        containers += [g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"]]
-        return [{e["name"]: e.get("value") for e in c.get("env", [])} for c in containers]
+def _ray_container_envs(values: dict | None) -> dict[str, dict[str, dict]]:
+    """Container name (head, or the worker group's name) -> its env, name -> the env entry."""
+    spec = one(manifests(values), "RayService")["spec"]["rayClusterConfig"]
+    containers = {"head": spec["headGroupSpec"]["template"]["spec"]["containers"]}
+    containers |= {g["groupName"]: g["template"]["spec"]["containers"] for g in spec["workerGroupSpecs"]}
+    envs = {}
+    for name, [container] in containers.items():
+        envs[name] = {e["name"]: e for e in container["env"]}
+        assert len(envs[name]) == len(container["env"]), f"{name}: an env variable is set twice"
+    return envs
 
-    for env in envs(None):  # as a local `kvmesh serve` starts Ray (cluster/launcher.py)
-        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
-    for env in envs({"serve": {"throughputOptimized": False}}):
+
+def test_every_ray_node_runs_serve_throughput_optimized_unless_turned_off():
+    for env in _ray_container_envs(None).values():  # as a local `kvmesh serve` starts Ray (cluster/launcher.py)
+        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"]["value"] == "1"
+        assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"]["value"] == "0"
+    for env in _ray_container_envs({"serve": {"throughputOptimized": False}}).values():
         assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in env
+
+
+def test_ray_token_auth_is_on_by_default_in_every_ray_container_and_the_raycluster():
+    rayservice = one(manifests(), "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    envs = _ray_container_envs(None)
+    assert sorted(envs) == ["gpu", "head"]
+    for env in envs.values():
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}
+        # No Secret named: KubeRay generates the token and adds RAY_AUTH_TOKEN to every container.
+        assert "RAY_AUTH_TOKEN" not in env
+
+
+def test_a_named_token_secret_reaches_every_ray_container_of_every_worker_group():
+    values = VALUE_SETS["autoscaling-two-gpu-types"]
+    rayservice = one(manifests(values), "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "kvmesh-ray-token"}
+    envs = _ray_container_envs(values)
+    assert sorted(envs) == ["gpu", "h200", "head"]  # "spare" is disabled
+    for env in envs.values():
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "kvmesh-ray-token", "key": "auth_token"}}
+    assert "kvmesh-ray-token" not in rayservice["spec"]["serveConfigV2"]
+
+
+def test_ray_token_auth_turned_off_says_so_everywhere():
+    rayservice = one(manifests({"rayAuth": {"mode": "disabled"}}), "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "disabled"}
+    for env in _ray_container_envs({"rayAuth": {"mode": "disabled"}}).values():
+        assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env
+    assert "Ray's token authentication is OFF" in render({"rayAuth": {"mode": "disabled"}})["kvmesh/templates/NOTES.txt"]
+
+
+def test_every_ray_container_caps_serve_grpc_messages():
+    for env in _ray_container_envs(None).values():
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(4 * 1024 * 1024)
+    for env in _ray_container_envs(VALUE_SETS["cpu-only"]).values():
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == "1048576"
 
 
 def test_ray_start_params_are_strings():
@@ -207,8 +242,12 @@ def test_notes_say_how_to_reach_the_api():
     assert "$KVMESH_URL/v1/chat/completions" in notes
     assert "Service demo-kvmesh-grpc, port 9000" in notes
     assert "2-12 worker replicas, kv_pressure autoscaling" in notes
+    assert "kubectl -n llm get secret kvmesh-ray-token -o jsonpath='{.data.auth_token}' | base64 -d" in notes
     default_notes = render()["kvmesh/templates/NOTES.txt"]
     assert "port-forward svc/demo-kvmesh-http 8000:8000" in default_notes
+    # The token KubeRay generated for the RayService's active cluster.
+    assert ("get secret $(kubectl -n llm get rayservice demo-kvmesh -o jsonpath="
+            "'{.status.activeServiceStatus.rayClusterName}') -o jsonpath='{.data.auth_token}'") in default_notes
 
 
 @pytest.mark.parametrize("case", list(BAD_VALUES))
@@ -276,7 +315,6 @@ def test_values_yaml_defaults_match_the_schema_and_the_serving_config_defaults()
 
 def test_serve_config_v2_is_what_kvmesh_serve_emits_for_the_same_config():
     """Helm and `kvmesh serve --emit-serve-config` deploy the same thing from deploy/serve.yaml."""
-    serving = _serve_config_module()
     try:
         app = importlib.import_module("kvmesh.cluster.app")
     except ModuleNotFoundError as error:

@@ -168,14 +168,11 @@ One worker group spec. Called with a dict: root (the chart context), name, group
               {{- if $group.gpusPerPod }}
               nvidia.com/gpu: {{ $group.gpusPerPod }}
               {{- end }}
-          {{- if or $group.env $root.Values.apiKeysSecret.name $root.Values.serve.throughputOptimized }}
           env:
-            {{- include "kvmesh.serveEnv" $root | nindent 12 }}
-            {{- include "kvmesh.apiKeysEnv" $root | nindent 12 }}
+            {{- include "kvmesh.rayEnv" $root | nindent 12 }}
             {{- with $group.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- end }}
           {{- with $group.volumeMounts }}
           volumeMounts:
             {{- toYaml . | nindent 12 }}
@@ -202,7 +199,32 @@ One worker group spec. Called with a dict: root (the chart context), name, group
       {{- end }}
 {{- end }}
 
-{{/* KVMESH_API_KEYS from apiKeysSecret, for every Ray pod (the ingress may run on any). */}}
+{{/*
+Environment of every Ray container (head and each worker group): Ray's token authentication,
+Serve's options (a proxy or replica may run on any pod), and KVMESH_API_KEYS from apiKeysSecret.
+*/}}
+{{- define "kvmesh.rayEnv" -}}
+{{- include "kvmesh.rayAuthEnv" . }}
+{{- include "kvmesh.serveEnv" . }}
+{{- include "kvmesh.apiKeysEnv" . }}
+{{- end }}
+
+{{/*
+Ray's token authentication, set here as well as through authOptions (KubeRay adds only what a
+container lacks), so the rendered pods say it and a named Secret reaches them whatever KubeRay adds.
+*/}}
+{{- define "kvmesh.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: {{ .Values.rayAuth.mode | quote }}
+{{- with .Values.rayAuth.secretName }}
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: auth_token
+{{- end }}
+{{- end }}
+
 {{- define "kvmesh.serveEnv" -}}
 {{- if .Values.serve.throughputOptimized }}
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
@@ -210,6 +232,8 @@ One worker group spec. Called with a dict: root (the chart context), name, group
 - name: RAY_SERVE_ENABLE_DIRECT_INGRESS
   value: "0"
 {{- end }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ .Values.serve.grpcMaxMessageBytes | int64 | toString | quote }}
 {{- end }}
 
 {{- define "kvmesh.apiKeysEnv" -}}

@@ -34,6 +34,22 @@ Checks across values that values.schema.json cannot express; each failure says w
 {{- fail (printf "worker group %s: replicas (%v) must lie in [minReplicas, maxReplicas] = [%v, %v]" $name $group.replicas $group.minReplicas $group.maxReplicas) }}
 {{- end }}
 {{- end }}
+{{- if and (eq .Values.rayAuth.mode "disabled") .Values.rayAuth.secretName }}
+{{- fail (printf "rayAuth.secretName is %s but rayAuth.mode is disabled: set mode to token, or drop the Secret" .Values.rayAuth.secretName) }}
+{{- end }}
+{{- $chartEnv := dict "RAY_AUTH_MODE" "rayAuth.mode" "RAY_AUTH_TOKEN" "rayAuth.secretName" "RAY_AUTH_TOKEN_PATH" "rayAuth.secretName" "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" "serve.grpcMaxMessageBytes" }}
+{{- $envs := dict "head.env" .Values.head.env "worker.env" .Values.worker.env }}
+{{- range $name, $group := .Values.additionalWorkerGroups }}
+{{- $_ := set $envs (printf "additionalWorkerGroups.%s.env" $name) $group.env }}
+{{- end }}
+{{- range $where, $env := $envs }}
+{{- range $env }}
+{{- $var := .name }}
+{{- with get $chartEnv $var }}
+{{- fail (printf "%s sets %s, which the chart sets on every Ray container from %s; set that value instead" $where $var .) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and (gt (float64 .Values.kvmesh.replicas.num_gpus) 0.0) (not (include "kvmesh.anyGpuGroup" .)) }}
 {{- fail "kvmesh.replicas.num_gpus > 0 but no worker group requests GPUs (gpusPerPod); worker replicas could never be placed" }}
 {{- end }}
