@@ -4,6 +4,7 @@ parses with the CLI's own argparse parser and its policy names are known; any ot
 `python -m kvmesh.X` names a module that exists. Every repository path in inline code exists, and a
 raw result named alone is in bench/results/. Nothing is run."""
 
+import argparse
 import contextlib
 import glob
 import importlib.util
@@ -70,6 +71,21 @@ def cli_argv(command: list[str]) -> list[str] | None:
     return CLI_MODULES[module] + command[3:] if module in CLI_MODULES else None
 
 
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag of the parser and its subcommands' parsers. argparse accepts a unique prefix of a
+    flag, so a doc's flag must also be one of these exactly (a renamed flag could leave the old
+    spelling a prefix of another)."""
+    flags = set()
+    for action in parser._actions:  # argparse exposes no public walk over its actions
+        flags.update(action.option_strings)
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            flags |= option_strings(sub)
+    return flags
+
+
+FLAGS = option_strings(build_parser())
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_each_reference_doc_quotes_kvmesh_commands(doc):
     assert sum(1 for d, command in COMMANDS if d == doc and cli_argv(command) is not None) >= 3
@@ -88,6 +104,8 @@ def test_doc_command_exists(doc, command):
         except SystemExit as exit_:
             assert exit_.code == 0, f"{doc}: `{' '.join(command)}` does not parse: {errors.getvalue()}"
             return
+    unknown = [t for t in argv if t.startswith("--") and t.split("=")[0] not in FLAGS]
+    assert not unknown, f"{doc}: `{' '.join(command)}` abbreviates or misspells {unknown}"
     for names in (getattr(args, "policy", None), getattr(args, "policies", None)):
         if names:
             resolve_policies(names)  # raises ValueError naming an unknown policy
@@ -103,6 +121,7 @@ def test_a_missing_flag_or_subcommand_is_caught():
         with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit) as exit_:
             build_parser().parse_args(cli_argv(bad))
         assert exit_.value.code == 2
+    assert "--kv-blocks" in FLAGS and "--kv-block" not in FLAGS  # a prefix argparse would accept
     with pytest.raises(ValueError, match="no_such_policy"):
         resolve_policies("kv_events,no_such_policy")
 
