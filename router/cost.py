@@ -31,7 +31,7 @@ cost alone: holding it to the few workers that happen to have the shared prefix 
 them (on multiturn, the first conversations all went to the first workers that held the system
 prompt, whose turns then came back to an overloaded worker and had to move), while the cost already
 counts the shared prefix's recompute. The defaults were chosen on the simulator's tenants and
-multiturn traces (docs/ROUTING.md has the comparison and the variants that failed).
+multiturn traces (docs/ROUTING.md has the comparison, docs/LOG.md the variants that failed).
 
 `in_flight` credits a worker with the prompt tokens it is computing right now for an earlier request
 that shares them (kvmesh.router.pending), at half the prefill weight: of the 2 a new prefill token
