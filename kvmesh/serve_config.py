@@ -103,6 +103,7 @@ class ServerSection(_Strict):
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty = no authentication (the KVMESH_API_KEYS environment variable of the ingress adds more, e.g. from a Kubernetes Secret).")
     auth_health: bool = Field(False, description="With API keys set, /health and gRPC Health need a key too (off: open to load balancers).")
     auth_metrics: bool = Field(False, description="With API keys set, /metrics needs a key too (off: open to Prometheus).")
+    stream_idle_timeout_s: float = Field(30.0, ge=0, description="A streaming HTTP response whose client has read nothing for this long is ended and its request aborted on the worker, freeing its KV blocks (Serve's HTTP proxy of a local `kvmesh serve`); 0 = never.")
 
 
 class LimitsSection(_Strict):
