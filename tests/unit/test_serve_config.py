@@ -29,7 +29,8 @@ def test_defaults_match_the_contract():
         "upscale_delay_s": 5, "downscale_delay_s": 30, "target_ongoing_requests": 8,
         "kv_free_threshold": 0.1, "ttft_p90_target_s": 1.0, "window_s": 30}
     assert cfg["server"] == {"host": "127.0.0.1", "http_port": 8000, "stream_interval": 1, "grpc_port": 9000, "direct_http_port": 0, "api_keys": [],
-                             "auth_health": False, "auth_metrics": False}
+                             "auth_health": False, "auth_metrics": False,
+                             "stream_idle_timeout_s": 30.0}
     assert cfg["limits"] == {"max_prompt_tokens": None, "max_output_tokens": None,
                              "max_body_bytes": 1_048_576}
 
