@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from kvmesh.cluster.stream_idle_timeout import TIMEOUT_ENV as STREAM_IDLE_TIMEOUT_ENV
 from kvmesh.serve_config import ServeConfig
 
 DEFAULT_OBJECT_STORE_BYTES = 512 * 1024 * 1024
@@ -37,6 +38,8 @@ def start_ray(cfg: ServeConfig, address: str | None) -> str:
     if address is None:
         for name, value in SERVE_FAST_PATH_ENV.items():
             os.environ.setdefault(name, value)
+        # read by the proxy's patch (cluster/stream_idle_timeout.py)
+        os.environ[STREAM_IDLE_TIMEOUT_ENV] = str(cfg.server.stream_idle_timeout_s)
     import ray
 
     if address is not None:

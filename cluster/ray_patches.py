@@ -18,7 +18,9 @@ logger = logging.getLogger("kvmesh.cluster")
 HOOK = "kvmesh.cluster.ray_patches.setup_worker"
 
 # Modules with an apply(); applied in this order.
-PATCHES: tuple[str, ...] = ()
+PATCHES: tuple[str, ...] = (
+    "kvmesh.cluster.stream_idle_timeout",
+)
 
 
 def setup_worker() -> None:

@@ -105,6 +105,7 @@ class ServerSection(_Strict):
     auth_metrics: bool = Field(False, description="With API keys set, /metrics needs a key too (off: open to Prometheus).")
     special_tokens_in_content: bool = Field(False, description="Tokenize special-token strings inside chat message content as control tokens (off: as text, so a user cannot forge a system turn with <|im_start|>system).")
     api_docs: bool = Field(False, description="Serve the API's OpenAPI schema and docs pages (/openapi.json, /docs), behind the API key when keys are set.")
+    stream_idle_timeout_s: float = Field(30.0, ge=0, description="A streaming HTTP response whose client has read nothing for this long is ended and its request aborted on the worker, freeing its KV blocks (Serve's HTTP proxy of a local `kvmesh serve`); 0 = never.")
 
 
 class LimitsSection(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -117,3 +118,27 @@ def worker_pids(cluster) -> dict[str, int]:
     done = subprocess.run([sys.executable, "-c", _WORKER_PIDS, cluster.ray_address], capture_output=True,
                           text=True, env=loopback_ray_env(), timeout=120, check=True)
     return {rid: int(pid) for rid, pid in (line.split() for line in done.stdout.splitlines() if line.strip())}
+
+
+def chat_stream_body(model: str, max_tokens: int) -> dict:
+    """A streaming chat request whose chunks are large (20 top logprobs: ~1.6 KB a token), so a
+    tiny model's output outgrows socket buffers in seconds."""
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": True, "top_logprobs": 20}
+
+
+def open_raw_stream(port: int, path: str, body: dict, rcvbuf: int) -> tuple[socket.socket, bytes]:
+    """POST `body` over a raw socket to 127.0.0.1:port; returns the socket and its first read (the
+    response head). The socket advertises an Ethernet MSS (1448): on loopback's 64 KiB MSS Linux
+    gives the server's socket a ~4 MiB send buffer, which would hide a client that stopped reading
+    for minutes."""
+    data = json.dumps(body).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1448)
+    s.settimeout(120)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
+    return s, s.recv(1024)

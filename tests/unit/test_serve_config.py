@@ -30,7 +30,8 @@ def test_defaults_match_the_contract():
         "kv_free_threshold": 0.1, "ttft_p90_target_s": 1.0, "window_s": 30}
     assert cfg["server"] == {"host": "127.0.0.1", "http_port": 8000, "stream_interval": 1, "grpc_port": 9000, "direct_http_port": 0, "api_keys": [],
                              "auth_health": False, "auth_metrics": False,
-                             "special_tokens_in_content": False, "api_docs": False}
+                             "special_tokens_in_content": False, "api_docs": False,
+                             "stream_idle_timeout_s": 30.0}
     assert cfg["limits"] == {"max_prompt_tokens": None, "max_output_tokens": None,
                              "max_body_bytes": 1_048_576, "max_prompt_chars": None}
 

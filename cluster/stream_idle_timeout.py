@@ -1,0 +1,114 @@
+"""Serve's HTTP proxy ends a response whose client has stopped reading (`server.stream_idle_timeout_s`).
+
+Why in the proxy: it is the only process on the path that sees a client stop reading. Its uvicorn
+`send` waits while the socket's write buffer is full (uvicorn's flow control), so the proxy stops
+pulling that stream; but upstream nothing waits: the ingress replica's ASGI `send` is an unbounded
+queue in Serve 2.60 (`call_http_entrypoint`), so the ingress keeps reading the worker's stream and
+the engine generates to the end, the unsent output piling up in the ingress and the proxy.
+
+`StreamIdleTimeout` (an ASGI middleware around the proxy's app) watches each `send` that waits.
+When one has waited `timeout_s` and the client has taken no byte in that time (the bytes not yet
+acknowledged by it, in uvicorn's buffer and the kernel's send queue, did not go down), the
+connection is reset (its unsent bytes dropped: a plain close would keep them for a client that does
+not read). The proxy then sees the client gone and ends the request as it ends
+any disconnect: it cancels the replica call, the ingress stream and the worker's generator close,
+and the engine aborts the request and frees its KV blocks. A client that reads, however slowly, is
+never cut: uvicorn resumes writing only after 48 KiB have drained, which a slow reader may take
+longer than `timeout_s` to read, so progress is counted in bytes, not in finished sends.
+
+`apply()` (listed in ray_patches.PATCHES) adds the middleware where Serve's proxy assembles its
+HTTP options, outermost (after any of RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), so the `send` it
+wraps is uvicorn's own. The launcher puts the timeout in KVMESH_STREAM_IDLE_TIMEOUT_S; 0 or unset
+leaves the proxy as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import socket
+import struct
+import sys
+import termios
+
+logger = logging.getLogger("kvmesh.cluster")
+
+TIMEOUT_ENV = "KVMESH_STREAM_IDLE_TIMEOUT_S"
+
+
+class StreamIdleTimeout:
+    def __init__(self, app, timeout_s: float):
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        transport = connection_transport(send)
+
+        async def send_with_deadline(message):
+            while True:
+                unsent = unsent_bytes(transport)
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        # uvicorn's send waits only before writing, so a timed-out send wrote nothing
+                        return await send(message)
+                except TimeoutError:
+                    if unsent_bytes(transport) < unsent:
+                        continue  # the client read something: a slow reader, not a gone one
+                logger.warning("kvmesh: %s %s: the client read nothing for %.1f s; closing the "
+                               "connection and aborting the request", scope.get("method"),
+                               scope.get("path"), self.timeout_s)
+                reset(transport)
+                return
+
+        await self.app(scope, receive, send_with_deadline)
+
+
+def connection_transport(send) -> asyncio.Transport:
+    """The connection under uvicorn's `send`: a method of its per-request cycle, which holds it.
+    ASGI offers no way to abort a connection; uvicorn is the server of Serve 2.60's HTTP proxy."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        raise RuntimeError("stream_idle_timeout: the HTTP server's send has no transport (not "
+                           "uvicorn?); cannot abort a connection whose client stopped reading")
+    return transport
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Close with a TCP reset (linger 0), so the kernel drops the unsent bytes too instead of
+    keeping them for a client that does not read."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """Bytes written to the connection that the client has not acknowledged: the transport's
+    buffer plus, on Linux, the kernel's send queue (TIOCOUTQ)."""
+    total = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        total += int.from_bytes(queued, sys.byteorder, signed=True)
+    return total
+
+
+def apply() -> None:
+    timeout_s = float(os.environ.get(TIMEOUT_ENV) or 0)
+    if timeout_s <= 0:
+        return
+    from ray.serve._private import proxy
+    from starlette.middleware import Middleware
+
+    serve_configure = proxy.configure_http_middlewares
+
+    def configure_http_middlewares(http_options):
+        options = serve_configure(http_options)
+        options.middlewares.append(Middleware(StreamIdleTimeout, timeout_s=timeout_s))
+        return options
+
+    proxy.configure_http_middlewares = configure_http_middlewares

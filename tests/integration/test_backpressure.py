@@ -1,0 +1,129 @@
+"""Backpressure on a live cluster (one CPU worker; `server.stream_idle_timeout_s: 3`), over raw
+sockets on 127.0.0.1 to Serve's HTTP proxy:
+
+- 40 streams whose clients read the response head and then nothing: while the clients still hold
+  their connections, the engine aborts every one (nothing running, every KV block free) well before
+  they could have finished, each connection is reset, and the proxy's memory is back near where it was;
+- a client that reads one 16 KiB chunk a second, far behind what the worker writes, is not cut and
+  gets every token.
+
+The clients advertise an Ethernet MSS and ask for 20 top logprobs a token, so that this tiny model's
+output outgrows the socket buffers in seconds (reliability_support.open_raw_stream).
+"""
+
+import json
+import socket
+import time
+
+import pytest
+import yaml
+
+from kvmesh.cluster.local import LocalCluster
+from reliability_support import (chat_stream_body, http, open_raw_stream, ray_processes, rss_mb,
+                                 wait_until)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+IDLE_TIMEOUT_S = 3.0
+NUM_UNREAD = 40
+UNREAD_MAX_TOKENS = 1900  # about all of tiny-llama's 2048-token context
+SLOW_MAX_TOKENS = 250
+PROXY_GROWTH_LIMIT_MB = 60  # measured: see docs/RELIABILITY.md "Backpressure"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "backpressure.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": MODEL,
+        "engine": {"device": "cpu", "max_num_seqs": 64},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 64},
+        "server": {"stream_idle_timeout_s": IDLE_TIMEOUT_S},
+    }))
+    with LocalCluster([], config=str(config)) as c:
+        yield c
+
+
+def open_stream(port: int, max_tokens: int, rcvbuf: int) -> tuple[socket.socket, bytes]:
+    s, head = open_raw_stream(port, "/v1/chat/completions", chat_stream_body(MODEL, max_tokens), rcvbuf)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return s, head
+
+
+def worker_row(cluster) -> dict:
+    status, body, _ = http(cluster.http_url + "/v1/kvmesh/workers")
+    assert status == 200, body
+    (row,) = body["workers"]
+    return row
+
+
+def idle(row: dict) -> bool:
+    return row["running"] == 0 and row["waiting"] == 0 and row["kv_used"] == 0
+
+
+def proxy_rss_mb(cluster) -> float:
+    (proxy,) = ray_processes(cluster, "ProxyActor")
+    return rss_mb([proxy])
+
+
+def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster):
+    wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
+    tokens_before = worker_row(cluster)["tokens_out"]
+    rss_before = proxy_rss_mb(cluster)
+    sockets = []
+    try:
+        for _ in range(NUM_UNREAD):
+            sockets.append(open_stream(cluster.http_port, UNREAD_MAX_TOKENS, rcvbuf=4096)[0])
+        opened = time.monotonic()
+        assert worker_row(cluster)["running"] > 0
+        # the clients still hold their connections: only the server can end these requests
+        wait_until(lambda: idle(worker_row(cluster)), IDLE_TIMEOUT_S + 90, interval_s=0.5,
+                   what="every unread stream aborted on the engine")
+        aborted_after_s = time.monotonic() - opened
+        generated = worker_row(cluster)["tokens_out"] - tokens_before
+        assert generated < NUM_UNREAD * UNREAD_MAX_TOKENS // 2, (generated, aborted_after_s)
+        for s in sockets:
+            received = bytearray()
+            with pytest.raises(ConnectionResetError):
+                while data := s.recv(65536):
+                    received += data
+            assert b"[DONE]" not in received
+        rss_after = proxy_rss_mb(cluster)
+        print(f"{NUM_UNREAD} unread streams aborted {aborted_after_s:.1f} s after the last opened; "
+              f"{generated} tokens generated; proxy RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+        assert rss_after - rss_before < PROXY_GROWTH_LIMIT_MB
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_a_slow_reader_is_not_cut_and_gets_every_token(cluster):
+    wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
+    s, received = open_stream(cluster.http_port, SLOW_MAX_TOKENS, rcvbuf=16384)
+    received = bytearray(received)
+    engine_done_at = None
+    try:
+        deadline = time.monotonic() + 300
+        while not received.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+            assert time.monotonic() < deadline, "the slow reader did not get the whole stream"
+            time.sleep(1.0)
+            data = s.recv(16384)
+            assert data, "the server closed the connection of a client that reads"
+            received += data
+            if engine_done_at is None and idle(worker_row(cluster)):
+                engine_done_at = time.monotonic()
+        done_at = time.monotonic()
+    finally:
+        s.close()
+    body = received.split(b"\r\n\r\n", 1)[1].decode()
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines()
+              if line.startswith("data: {")]
+    assert "data: [DONE]" in body
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == SLOW_MAX_TOKENS
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert sum(len(c["logprobs"]["content"]) for c in choices if c["logprobs"]) == SLOW_MAX_TOKENS
+    assert choices[-1]["finish_reason"] == "length"
+    # the reader was behind by more than a whole idle timeout: the proxy's send waited on it
+    assert engine_done_at is not None and done_at - engine_done_at > IDLE_TIMEOUT_S
