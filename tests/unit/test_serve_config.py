@@ -29,7 +29,10 @@ def test_defaults_match_the_contract():
         "upscale_delay_s": 5, "downscale_delay_s": 30, "target_ongoing_requests": 8,
         "kv_free_threshold": 0.1, "ttft_p90_target_s": 1.0, "window_s": 30}
     assert cfg["server"] == {"host": "127.0.0.1", "http_port": 8000, "stream_interval": 1, "grpc_port": 9000, "direct_http_port": 0, "api_keys": [],
-                             "auth_health": False, "auth_metrics": False}
+                             "auth_health": False, "auth_metrics": False,
+                             "max_header_bytes": 65_536, "header_timeout_s": 10.0,
+                             "keep_alive_timeout_s": 90, "grpc_max_message_bytes": 4_194_304,
+                             "grpc_reflection": False}
     assert cfg["limits"] == {"max_prompt_tokens": None, "max_output_tokens": None,
                              "max_body_bytes": 1_048_576}
 
@@ -101,7 +104,7 @@ def test_emitted_serve_config_imports_build_app_with_the_config_as_args():
     app = doc["applications"][0]
     assert app["import_path"] == "kvmesh.cluster.app:build_app"
     assert app["args"] == cfg.to_dict()
-    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8100}
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8100, "keep_alive_timeout_s": 90}
     assert doc["grpc_options"]["port"] == 9100
     assert "grpc_options" not in serve_config_document(parse_config({"server": {"grpc_port": 0}}))
 
