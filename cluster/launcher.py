@@ -3,7 +3,10 @@ the endpoints, and wait until interrupted.
 
 On a local Ray bound to 127.0.0.1 every Ray listener is kept on loopback
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 must be set before Ray starts), and the object store is capped
-so a laptop or CI box is not asked for a third of its memory.
+so a laptop or CI box is not asked for a third of its memory. A local Ray also gets Ray's token
+auth (cluster/ray_token.py) and the worker setup hook whose patches bind Serve's own servers to
+that address and bound what its proxies read (cluster/ray_patches.py; their settings travel in
+the environment Ray's processes inherit: listener_env).
 """
 
 from __future__ import annotations

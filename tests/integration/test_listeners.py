@@ -13,6 +13,7 @@ import ipaddress
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def listeners(root_pid: int) -> list[tuple[int, str, str, int]]:
         except psutil.Error:
             continue  # a process that ended while we looked
         for conn in conns:
-            udp = conn.type == 2  # SOCK_DGRAM: bound, never LISTEN
+            udp = conn.type == socket.SOCK_DGRAM  # bound, never LISTEN
             if conn.status == psutil.CONN_LISTEN or (udp and conn.laddr and not conn.raddr):
                 address = ipaddress.ip_address(conn.laddr.ip)
                 ip = str(getattr(address, "ipv4_mapped", None) or address)
