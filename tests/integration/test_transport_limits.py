@@ -3,7 +3,8 @@
 
 - HTTP request heads over server.max_header_bytes get 431 on Serve's proxy and on the direct port,
   and 64 MB heads do not grow the proxy;
-- heads not complete within server.header_timeout_s get 408 and are closed, on both;
+- heads not complete within server.header_timeout_s get 408 and are closed, on both, and idle
+  kept-alive connections are closed after server.keep_alive_timeout_s;
 - gRPC messages over server.grpc_max_message_bytes get RESOURCE_EXHAUSTED without the proxy or
   the ingress growing; malformed request bytes get INVALID_ARGUMENT; reflection is off by default.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import grpc
@@ -29,6 +31,7 @@ START_TIMEOUT_S = 420
 KEY = "sk-" + uuid.uuid4().hex
 MAX_HEADER_BYTES = 65_536  # the default
 HEADER_TIMEOUT_S = 2.0
+KEEP_ALIVE_S = 3
 MAX_GRPC_BYTES = 4 * 1024 * 1024  # the default
 GENERATE = "/kvmesh.v1.Generation/Generate"
 
@@ -41,7 +44,8 @@ def cluster(tmp_path_factory):
         "model": MODEL,
         "engine": {"device": "cpu"},
         "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
-        "server": {"direct_http_port": direct_port, "header_timeout_s": HEADER_TIMEOUT_S},
+        "server": {"direct_http_port": direct_port, "header_timeout_s": HEADER_TIMEOUT_S,
+                   "keep_alive_timeout_s": KEEP_ALIVE_S},
     }))
     with LocalCluster(["--api-key", KEY], config=str(config),
                       start_timeout_s=START_TIMEOUT_S) as c:
@@ -99,6 +103,18 @@ def test_a_slow_head_is_closed_within_the_timeout_on_the_proxy_and_the_direct_po
             elapsed, answer = trickle_until_answered(sock)
         assert answer.startswith(b"HTTP/1.1 408"), (name, answer)
         assert HEADER_TIMEOUT_S - 0.1 <= elapsed < HEADER_TIMEOUT_S + 3, (name, elapsed)
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_time(cluster):
+    for name, port in http_ports(cluster).items():
+        with connect(port) as sock:
+            sock.sendall(request("GET", "/health"))
+            assert read_response(sock)[0] == 200, name
+            started = time.monotonic()
+            sock.settimeout(KEEP_ALIVE_S + 10)
+            assert closed_by_server(sock), name
+            elapsed = time.monotonic() - started
+        assert KEEP_ALIVE_S - 0.5 <= elapsed < KEEP_ALIVE_S + 3, (name, elapsed)
 
 
 # ---- gRPC --------------------------------------------------------------------------------------
