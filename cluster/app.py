@@ -76,7 +76,8 @@ def serve_config_document(cfg: ServeConfig) -> dict:
     """The equivalent Serve config file (for `serve deploy`)."""
     doc = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": cfg.server.host, "port": cfg.server.http_port},
+        "http_options": {"host": cfg.server.host, "port": cfg.server.http_port,
+                         "keep_alive_timeout_s": cfg.server.keep_alive_timeout_s},
         "applications": [{
             "name": cfg.app_name,
             "route_prefix": cfg.route_prefix,
@@ -86,5 +87,6 @@ def serve_config_document(cfg: ServeConfig) -> dict:
     }
     if cfg.server.grpc_port:  # 0 = no gRPC
         doc["grpc_options"] = {"port": cfg.server.grpc_port,
-                               "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS}
+                               "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS,
+                               "enable_reflection": cfg.server.grpc_reflection}
     return doc

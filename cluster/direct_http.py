@@ -33,12 +33,16 @@ def shared_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_direct(app, sock: socket.socket) -> None:
-    """Serve `app` on `sock` until the replica's event loop ends."""
+async def serve_direct(app, sock: socket.socket, server) -> None:
+    """Serve `app` on `sock` until the replica's event loop ends, with the request-head bounds
+    and keep-alive time of `server` (the config's ServerSection; cluster/http_protocol.py)."""
     import uvicorn
 
+    from kvmesh.cluster.http_protocol import bounded_protocol
+
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_keep_alive=30)
+                            http=bounded_protocol(server.max_header_bytes, server.header_timeout_s),
+                            timeout_keep_alive=server.keep_alive_timeout_s)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # the replica's process owns its signals
     try:

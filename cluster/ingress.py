@@ -55,7 +55,8 @@ class Ingress(GrpcService):
             from kvmesh.cluster.direct_http import serve_direct, shared_socket
 
             sock = shared_socket(self.config.server.host, self.config.server.direct_http_port)
-            self._direct_http = asyncio.get_running_loop().create_task(serve_direct(app, sock))
+            self._direct_http = asyncio.get_running_loop().create_task(
+                serve_direct(app, sock, self.config.server))
         # The first handle call creates this replica's router copy: make it now, so the copy has
         # consumed the KV event stream before the first real request.
         asyncio.get_running_loop().create_task(self._warm_up())

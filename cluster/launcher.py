@@ -3,7 +3,10 @@ the endpoints, and wait until interrupted.
 
 On a local Ray bound to 127.0.0.1 every Ray listener is kept on loopback
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 must be set before Ray starts), and the object store is capped
-so a laptop or CI box is not asked for a third of its memory.
+so a laptop or CI box is not asked for a third of its memory. A local Ray also gets Ray's token
+auth (cluster/ray_token.py) and the worker setup hook whose patches bind Serve's own servers to
+that address and bound what its proxies read (cluster/ray_patches.py; their settings travel in
+the environment Ray's processes inherit: listener_env).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import threading
 import time
 
-from kvmesh.cluster.stream_idle_timeout import TIMEOUT_ENV as STREAM_IDLE_TIMEOUT_ENV
+from kvmesh.cluster.ray_token import enable_token_auth
 from kvmesh.serve_config import ServeConfig
 
 DEFAULT_OBJECT_STORE_BYTES = 512 * 1024 * 1024
@@ -29,8 +32,32 @@ DEFAULT_OBJECT_STORE_BYTES = 512 * 1024 * 1024
 # up, KubeRay) set the same variables in their node definitions (deploy/*.yaml, the Helm chart).
 SERVE_FAST_PATH_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
+# Serve's default limit on messages between its proxy and a replica (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH).
+SERVE_REPLICA_MESSAGE_BYTES = 4 * 1024 * 1024
 
-def start_ray(cfg: ServeConfig, address: str | None) -> str:
+
+def listener_env(cfg: ServeConfig) -> dict[str, str]:
+    """What the worker setup hook's patches (cluster/ray_patches.py) and Serve read from the
+    environment of a local Ray's processes: the listen address and the transport limits."""
+    from kvmesh.cluster.serve_bind_address import HOST_ENV
+    from kvmesh.cluster.serve_http_limits import HEADER_TIMEOUT_ENV, MAX_HEADER_BYTES_ENV
+    from kvmesh.cluster.stream_idle_timeout import TIMEOUT_ENV as STREAM_IDLE_TIMEOUT_ENV
+
+    server = cfg.server
+    return {
+        HOST_ENV: server.host,
+        MAX_HEADER_BYTES_ENV: str(server.max_header_bytes),
+        HEADER_TIMEOUT_ENV: str(server.header_timeout_s),
+        STREAM_IDLE_TIMEOUT_ENV: str(server.stream_idle_timeout_s),
+        # Serve's own setting of its gRPC proxy's largest message (both directions; answers are
+        # small). A request that fits must also fit, re-wrapped, between proxy and ingress.
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(server.grpc_max_message_bytes),
+        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(max(
+            SERVE_REPLICA_MESSAGE_BYTES, server.grpc_max_message_bytes + 1024 * 1024)),
+    }
+
+
+def start_ray(cfg: ServeConfig, address: str | None, out=sys.stdout) -> str:
     """Join `address` or start a local Ray; returns the address others can join."""
     loopback = cfg.server.host in ("127.0.0.1", "localhost")
     if loopback and address is None:
@@ -38,8 +65,10 @@ def start_ray(cfg: ServeConfig, address: str | None) -> str:
     if address is None:
         for name, value in SERVE_FAST_PATH_ENV.items():
             os.environ.setdefault(name, value)
-        # read by the proxy's patch (cluster/stream_idle_timeout.py)
-        os.environ[STREAM_IDLE_TIMEOUT_ENV] = str(cfg.server.stream_idle_timeout_s)
+        # Ray's processes inherit this environment (its workers run the setup hook).
+        os.environ.update(listener_env(cfg))
+        if (warning := enable_token_auth()) is not None:
+            print(warning, file=out)
     import ray
 
     if address is not None:
@@ -73,8 +102,10 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
 
     grpc = None
     if cfg.server.grpc_port:
-        grpc = gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
-    serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port),
+        grpc = gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+                           enable_reflection=cfg.server.grpc_reflection)
+    serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port,
+                                         keep_alive_timeout_s=cfg.server.keep_alive_timeout_s),
                 grpc_options=grpc)
     serve.run(build_app(cfg.to_dict()), name=cfg.app_name, route_prefix=cfg.route_prefix,
               blocking=False)
@@ -132,7 +163,7 @@ def _local_gpus() -> int:
 
 def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
     cfg = fit_to_this_machine(cfg, address, out)
-    ray_address = start_ray(cfg, address)
+    ray_address = start_ray(cfg, address, out)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

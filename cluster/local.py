@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,8 +35,31 @@ def loopback_ray_env() -> dict[str, str]:
     return env
 
 
+def token_auth_env(token_path: str) -> dict[str, str]:
+    """loopback_ray_env() with Ray token auth left to `kvmesh serve` (which turns it on) and this
+    token file, so a test never reads or writes the user's ~/.ray/auth_token."""
+    env = loopback_ray_env()
+    if env.get("RAY_AUTH_MODE") == "disabled":
+        del env["RAY_AUTH_MODE"]
+    env.pop("RAY_AUTH_TOKEN", None)
+    env["RAY_AUTH_TOKEN_PATH"] = token_path
+    return env
+
+
+def new_token_file() -> str:
+    """A fresh random Ray auth token in a file only its owner can read."""
+    fd, path = tempfile.mkstemp(prefix="kvmesh-ray-token-")  # created 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
 class LocalCluster:
-    def __init__(self, args: list[str], config: str | None = None, start_timeout_s: float = 180.0):
+    """ray_auth: run with Ray token auth on, as a user's `kvmesh serve` does (a fresh token in a
+    temporary file; `ray_env` is the environment a driver needs to join)."""
+
+    def __init__(self, args: list[str], config: str | None = None, start_timeout_s: float = 180.0,
+                 ray_auth: bool = False):
         self.http_port = free_port()
         self.grpc_port = free_port()
         self.args = ([config] if config else []) + list(args) + [
@@ -44,6 +68,8 @@ class LocalCluster:
         self.proc: subprocess.Popen | None = None
         self.log_path = None
         self.ray_address = None
+        self.token_path = new_token_file() if ray_auth else None
+        self.ray_env = token_auth_env(self.token_path) if ray_auth else loopback_ray_env()
 
     @property
     def http_url(self) -> str:
@@ -58,7 +84,7 @@ class LocalCluster:
         self.log_path = log.name
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", *self.args], stdout=log,
-            stderr=subprocess.STDOUT, env=loopback_ray_env(), start_new_session=True)
+            stderr=subprocess.STDOUT, env=self.ray_env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             text = self.log()
@@ -77,14 +103,15 @@ class LocalCluster:
             return f.read()
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)  # kvmesh serve shuts Serve and its Ray down
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
-            self.proc.wait(10)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # kvmesh serve shuts Serve and its Ray down
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+                self.proc.wait(10)
+        if self.token_path is not None and os.path.exists(self.token_path):
+            os.unlink(self.token_path)
 
     def __enter__(self):
         return self.start()

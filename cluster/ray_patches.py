@@ -20,6 +20,9 @@ HOOK = "kvmesh.cluster.ray_patches.setup_worker"
 # Modules with an apply(); applied in this order.
 PATCHES: tuple[str, ...] = (
     "kvmesh.cluster.stream_idle_timeout",
+    "kvmesh.cluster.serve_bind_address",  # replica-internal gRPC and the gRPC proxy off [::]
+    "kvmesh.cluster.serve_http_limits",   # header size and header-read time on Serve's HTTP proxy
+    "kvmesh.cluster.serve_grpc_decode",   # malformed request bytes -> INVALID_ARGUMENT
 )
 
 

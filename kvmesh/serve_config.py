@@ -106,6 +106,11 @@ class ServerSection(_Strict):
     special_tokens_in_content: bool = Field(False, description="Tokenize special-token strings inside chat message content as control tokens (off: as text, so a user cannot forge a system turn with <|im_start|>system).")
     api_docs: bool = Field(False, description="Serve the API's OpenAPI schema and docs pages (/openapi.json, /docs), behind the API key when keys are set.")
     stream_idle_timeout_s: float = Field(30.0, ge=0, description="A streaming HTTP response whose client has read nothing for this long is ended and its request aborted on the worker, freeing its KV blocks (Serve's HTTP proxy of a local `kvmesh serve`); 0 = never.")
+    max_header_bytes: int = Field(65_536, ge=1024, le=16_777_216, description="Largest HTTP request head (request line + headers) in bytes on Serve's HTTP proxy and the direct port; beyond it 431 and the connection is closed, before the rest is read.")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="Seconds a client has to send a complete HTTP request head (from connecting, or from the first byte of its next request); beyond it 408 and the connection is closed.")
+    keep_alive_timeout_s: int = Field(90, ge=1, le=3600, description="Seconds an idle kept-alive HTTP connection stays open between requests (Serve's proxy and the direct port); keep it above a load balancer's idle timeout.")
+    grpc_max_message_bytes: int = Field(4_194_304, ge=1024, le=2_147_483_647, description="Largest gRPC request message in bytes on Serve's gRPC proxy; beyond it the call fails with RESOURCE_EXHAUSTED before it reaches the ingress.")
+    grpc_reflection: bool = Field(False, description="Serve gRPC server reflection on the gRPC proxy (it answers without an API key).")
 
 
 class LimitsSection(_Strict):

@@ -120,17 +120,6 @@ def test_models_health_and_grpc_info(cluster, openai_client):
     assert [m.id for m in grpc_call(cluster.grpc_target, "ListModels").models] == [MODEL]
 
 
-def test_grpc_server_reflection_lists_the_service(cluster):
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-    with grpc.insecure_channel(cluster.grpc_target) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(list_services="")
-        response = next(stub.ServerReflectionInfo(iter([request]), timeout=30))
-    names = {s.name for s in response.list_services_response.service}
-    assert "kvmesh.v1.Generation" in names
-
-
 # ---- routing ------------------------------------------------------------------------------------
 
 def test_requests_sharing_a_long_prefix_land_on_the_same_replica(cluster):

@@ -40,8 +40,9 @@ def test_serve_config_carries_the_kvmesh_config_as_build_app_args():
     assert app["args"]["model"] == "/models/Qwen3-8B"
     assert app["args"]["autoscaling"]["policy"] == "kv_pressure"
     assert app["args"]["engine"]["max_model_len"] == 8192
-    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "keep_alive_timeout_s": 90}
     assert config["grpc_options"]["port"] == 9000
+    assert config["grpc_options"]["enable_reflection"] is False
     assert config["proxy_location"] == "EveryNode"
 
 

@@ -31,7 +31,10 @@ def test_defaults_match_the_contract():
     assert cfg["server"] == {"host": "127.0.0.1", "http_port": 8000, "stream_interval": 1, "grpc_port": 9000, "direct_http_port": 0, "api_keys": [],
                              "auth_health": False, "auth_metrics": False,
                              "special_tokens_in_content": False, "api_docs": False,
-                             "stream_idle_timeout_s": 30.0}
+                             "stream_idle_timeout_s": 30.0,
+                             "max_header_bytes": 65_536, "header_timeout_s": 10.0,
+                             "keep_alive_timeout_s": 90, "grpc_max_message_bytes": 4_194_304,
+                             "grpc_reflection": False}
     assert cfg["limits"] == {"max_prompt_tokens": None, "max_output_tokens": None,
                              "max_body_bytes": 1_048_576, "max_prompt_chars": None}
 
@@ -103,7 +106,7 @@ def test_emitted_serve_config_imports_build_app_with_the_config_as_args():
     app = doc["applications"][0]
     assert app["import_path"] == "kvmesh.cluster.app:build_app"
     assert app["args"] == cfg.to_dict()
-    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8100}
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8100, "keep_alive_timeout_s": 90}
     assert doc["grpc_options"]["port"] == 9100
     assert "grpc_options" not in serve_config_document(parse_config({"server": {"grpc_port": 0}}))
 

@@ -77,11 +77,13 @@ proxy_location: {{ .Values.serve.proxyLocation }}
 http_options:
   host: {{ .Values.kvmesh.server.host | quote }}
   port: {{ .Values.kvmesh.server.http_port }}
+  keep_alive_timeout_s: {{ .Values.kvmesh.server.keep_alive_timeout_s }}
 {{- if include "kvmesh.grpcEnabled" . }}
 grpc_options:
   port: {{ .Values.kvmesh.server.grpc_port }}
   grpc_servicer_functions:
     {{- toYaml .Values.serve.grpcServicerFunctions | nindent 4 }}
+  enable_reflection: {{ .Values.kvmesh.server.grpc_reflection }}
 {{- end }}
 applications:
   - name: {{ .Values.kvmesh.app_name }}
