@@ -70,14 +70,14 @@ def healthy_workers(cluster) -> int:
     return body.get("workers", 0) if status == 200 else 0
 
 
-def assert_nothing_lost(outcomes, allow_cut=False):
+def assert_nothing_lost(outcomes, allow_cut=False, allow_plain_errors=False):
     s = summarize(outcomes)
     print("load:", s)  # the numbers in docs/RELIABILITY.md (pytest -s)
     bad = [o for o in outcomes if o.result in ("failed", "hung")
            or (o.kind == "whole" and o.result != "ok")
            or (o.result == "cut" and not allow_cut)]
     assert s["lost"] == 0 and not bad, (s, bad[:5])
-    assert s["plain_text_errors"] == 0, s  # every error answer is JSON
+    assert allow_plain_errors or s["plain_text_errors"] == 0, s  # every error answer is JSON
     return s
 
 
@@ -346,8 +346,9 @@ def test_killing_the_ingress_loses_no_request_and_serving_resumes(cluster):
     out, _ = run_with_fault(cluster, lambda: ingress[0].send_signal(signal.SIGKILL),
                             timeout_s=120, max_attempts=40)
     # the streams the dead ingress was writing are cut (no process is left to end them); every
-    # other request is answered, retried by the client while Serve restarts the ingress
-    assert_nothing_lost(out, allow_cut=True)
+    # other request is answered, retried by the client while Serve restarts the ingress. Serve's
+    # proxy answers for the dead ingress, in plain text (docs/RELIABILITY.md, known limits)
+    assert_nothing_lost(out, allow_cut=True, allow_plain_errors=True)
     wait_until(lambda: healthy_workers(cluster) == 2, 60, what="the new ingress sees both workers")
     status, body, _ = http(cluster.http_url + "/v1/completions",
                            {"model": MODEL, "prompt": "after the ingress died", "max_tokens": 2})
