@@ -121,7 +121,7 @@ class RoutingState:
     # ---- routing -----------------------------------------------------------------------------
 
     def rank(self, block_hashes: list[int], num_prompt_tokens: int, session_key: str | None,
-             candidates: list[str], avoid=()) -> list[str]:
+             candidates: list[str], avoid: list[str] | tuple = ()) -> list[str]:
         """Candidates in the policy's order of preference (every candidate appears once); stale
         or stalled workers after the others, and last the ones in `avoid` (whose engine died under
         this very request: the router's view of them may not show it yet)."""
