@@ -5,11 +5,18 @@ aborts and snapshot requests reach it through a thread-safe command queue; token
 each request's asyncio.Queue in one `call_soon_threadsafe` per engine step, so the actor's event
 loop never waits on a model step and a step never waits on the event loop. No Ray here: the Serve
 worker (worker.py) wraps it.
+
+Liveness is the engine's own: `is_alive()` is false once the engine thread (or process) is gone,
+and `stalled_for()` counts how long an engine with requests has gone without finishing a step.
+When the engine dies, every open stream gets one `retryable` error delta (nothing went wrong with
+the request itself: another worker may run it), later submits get one at once, and the worker is
+woken to report the death.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -80,6 +87,9 @@ class EngineLoop:
     def submit(self, request: EngineRequest) -> asyncio.Queue:
         """Queue a request; its TokenDeltas arrive on the returned queue (the last one finished)."""
         out: asyncio.Queue = asyncio.Queue()
+        if not self.is_alive():
+            out.put_nowait(engine_failed(request.request_id, self.failure_message()))
+            return out
         self._streams[request.request_id] = out
         self._send(("add", request))
         return out
@@ -89,6 +99,8 @@ class EngineLoop:
             self._send(("abort", request_id))
 
     async def snapshot(self) -> KVSnapshot:
+        if not self.is_alive():
+            raise RuntimeError(self.failure_message())
         fut = self.loop.create_future()
         self._send(("snapshot", fut))
         return await fut
@@ -119,6 +131,15 @@ class EngineLoop:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def report(self, stall_timeout_s: float) -> WorkerLoad:
+        """The engine's last load with its health and stall judged now, stamped with this moment
+        (the worker's load report, which is also its heartbeat)."""
+        return dataclasses.replace(self.load, healthy=self.is_alive(), timestamp=time.time(),
+                                   stalled=self.stalled_for() > stall_timeout_s)
+
+    def failure_message(self) -> str:
+        return f"engine loop died: {self.error!r}"
 
     def stop(self) -> None:
         self._stop.set()
@@ -168,7 +189,7 @@ class EngineLoop:
         except BaseException as e:  # the worker's health check reports it; Serve replaces the replica
             logger.exception("kvmesh engine loop died")
             self.error = e
-            self.loop.call_soon_threadsafe(self._fail_all, f"engine loop died: {e!r}")
+            self.loop.call_soon_threadsafe(self._fail_all)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -195,10 +216,33 @@ class EngineLoop:
             snap = self.engine.kv_snapshot()
             self.loop.call_soon_threadsafe(_set_result, arg, snap)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self) -> None:
+        """The engine is gone (runs on the asyncio loop after `error` is set, so a submit after this
+        is refused at once): end every stream with a retryable error and report the death now."""
+        self.load = dataclasses.replace(self.load, healthy=False)
+        message = self.failure_message()
         for request_id, out in list(self._streams.items()):
-            out.put_nowait(TokenDelta(request_id, [], "", finish_reason="error", error=message))
+            out.put_nowait(engine_failed(request_id, message))
         self._streams.clear()
+        if self.on_progress is not None:
+            self.on_progress()
+
+
+class EngineUnavailable(RuntimeError):
+    """Raised by a worker's generate for a request its engine could not finish because the engine
+    died: the ingress runs it again on another worker (`worker_id`: not that one)."""
+
+    def __init__(self, worker_id: str, message: str):
+        super().__init__(worker_id, message)
+        self.worker_id, self.message = worker_id, message
+
+    def __str__(self) -> str:
+        return f"worker {self.worker_id}: {self.message}"
+
+
+def engine_failed(request_id: str, message: str) -> TokenDelta:
+    """The last delta of a request whose engine died: retryable on another worker."""
+    return TokenDelta(request_id, [], "", finish_reason="error", error=message, retryable=True)
 
 
 def rejected(request: EngineRequest, error: ValueError) -> TokenDelta:

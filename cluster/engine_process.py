@@ -13,6 +13,10 @@ in its own interpreter and talks to the replica over a socket pair with pickled 
 `EngineProcessLoop` keeps EngineLoop's asyncio side (streams, TTFT window, counters) unchanged; a
 reader thread turns the child's messages into the same deliveries. The child exits when the replica
 goes away (its end of the socket closes), so a killed replica frees its GPU.
+
+The child's liveness is read from the socket, not from the replica: it dies when the reader sees
+EOF (a SIGKILL, a crash), and it stalls when it has requests and has sent nothing for a while (a
+SIGSTOP, a hung kernel), since a working engine reports every step.
 """
 
 from __future__ import annotations
@@ -71,8 +75,11 @@ class EngineProcessLoop(EngineLoop):
         return message
 
     def _send(self, command: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(command)
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except OSError:  # the child is gone: the reader thread sees it too and fails every stream
+            pass
 
     # ---- asyncio side ------------------------------------------------------------------------
 
@@ -82,6 +89,8 @@ class EngineProcessLoop(EngineLoop):
         return super().submit(request)
 
     async def snapshot(self) -> KVSnapshot:
+        if not self.is_alive():
+            raise RuntimeError(self.failure_message())
         fut = self.loop.create_future()
         self._snapshots.append(fut)
         self._send(("snapshot", None))
@@ -92,20 +101,28 @@ class EngineProcessLoop(EngineLoop):
             _set_result(self._snapshots.popleft(), snap)
 
     def stalled_for(self, now: float | None = None) -> float:
-        """Seconds without a word from an engine that has requests (0 when it has none)."""
+        """Seconds without a word from an engine that has requests (0 when it has none): a step
+        report comes after every step, so this is at least the time since the last step ended."""
         now = time.monotonic() if now is None else now
         return now - self._last_heard if self._streams else 0.0
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._proc.poll() is None and self.error is None
 
+    def failure_message(self) -> str:
+        return f"engine process died: {self.error or f'exit status {self._proc.poll()}'!r}"
+
+    def _fail_all(self) -> None:
+        super()._fail_all()
+        while self._snapshots:
+            fut = self._snapshots.popleft()
+            if not fut.done():
+                fut.set_exception(RuntimeError(self.failure_message()))
+
     def stop(self) -> None:
         if hasattr(self, "_stop"):
             self._stop.set()
-        try:
-            self._send(("stop", None))
-        except OSError:
-            pass
+        self._send(("stop", None))
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -142,7 +159,7 @@ class EngineProcessLoop(EngineLoop):
             return
         logger.error("kvmesh engine process: %r", self.error)
         try:
-            self.loop.call_soon_threadsafe(self._fail_all, f"engine loop died: {self.error!r}")
+            self.loop.call_soon_threadsafe(self._fail_all)
         except RuntimeError:  # the event loop is closed: nobody is waiting
             pass
 

@@ -1,12 +1,15 @@
 """Running one request on the workers, with failover.
 
 A worker replica that dies mid-request makes its handle stream raise (ActorDiedError and kin; Serve
-does not retry). What happens next depends on what the client has seen:
+does not retry); a replica whose engine died raises EngineUnavailable naming itself, and the next
+attempt ranks that worker last. What happens next depends on what the client has seen:
 - no token yet: the request is sent again (the router picks a live replica; the dead one left its
   replica set), up to MAX_ATTEMPTS times;
 - tokens already streamed to the client: the stream ends with finish_reason "error";
 - a non-streaming request has shown the client nothing, so it is always retried from the start
   (`restartable`; RESTART tells the collector to drop what it gathered).
+Any other exception from a worker call ends the request with an error delta (logged, not retried),
+so the ingress answers it as JSON: nothing from a worker escapes as a bare 500.
 Closing the generator early (client gone) cancels the worker call, which aborts the request there.
 """
 
@@ -18,6 +21,7 @@ import time
 import ray
 from ray.serve.exceptions import BackPressureError
 
+from kvmesh.cluster.engine_loop import EngineUnavailable
 from kvmesh.cluster.messages import RoutedRequest
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
@@ -26,7 +30,7 @@ logger = logging.getLogger("kvmesh.cluster")
 
 MAX_ATTEMPTS = 3
 RESTART = object()  # yielded before a non-streaming request is run again on another replica
-_WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+_WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineUnavailable)
 OVERLOAD_RETRY_AFTER_S = 1
 
 
@@ -66,12 +70,19 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
             last_error = e
             logger.warning("kvmesh: worker died during request %s (attempt %d, tokens=%s): %r",
                            routed.request_id, attempt + 1, produced, e)
+            if isinstance(e, EngineUnavailable):  # its replica lives on until Serve replaces it
+                routed.avoid_workers.append(e.worker_id)
             if produced and not restartable:
                 finished = True
                 yield _error_delta(routed, f"the worker serving this request died: {type(e).__name__}")
                 return
             if produced:
                 yield RESTART
+        except Exception as e:  # a failure of the worker's code, not of its process: not retried
+            logger.exception("kvmesh: request %s failed on its worker", routed.request_id)
+            finished = True
+            yield _error_delta(routed, f"the worker failed: {type(e).__name__}")
+            return
         finally:
             if not finished and response is not None:
                 try:

@@ -19,6 +19,7 @@ class RoutedRequest:
     session_key: str | None = None
     arrival_time: float = 0.0
     attempt: int = 0  # retries after a worker died before producing a token
+    avoid_workers: list[str] = field(default_factory=list)  # workers whose engine died under this request
 
     @property
     def num_prompt_tokens(self) -> int:

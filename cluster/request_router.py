@@ -87,7 +87,7 @@ class KVAwareRequestRouter(RequestRouter):
                 pass
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = self.state.rank(routed.block_hashes, routed.num_prompt_tokens,
-                                routed.session_key, list(by_id))
+                                routed.session_key, list(by_id), avoid=routed.avoid_workers)
         if DEBUG:
             logger.warning("kvmesh route %s: %s synced=%s cursor=%s overlap=%s loads=%s",
                            routed.request_id, order, self._synced.is_set(), self.state.cursor,

@@ -19,7 +19,9 @@ from kvmesh.protocol import KVEventBatch, KVSnapshot
 
 # A worker reports its load at least every second (its heartbeat). One not heard from for this long
 # is stalled or dying: it is ranked after every worker that is still reporting, so new requests
-# stop waiting on it within seconds (it still takes spill-over if every worker is stale).
+# stop waiting on it within seconds (it still takes spill-over if every worker is stale). A replica
+# whose actor still reports while its engine is frozen says so itself (WorkerLoad.stalled) and is
+# ranked the same way.
 STALE_LOAD_S = float(os.environ.get("KVMESH_STALE_LOAD_S", "3.0"))
 
 
@@ -119,8 +121,10 @@ class RoutingState:
     # ---- routing -----------------------------------------------------------------------------
 
     def rank(self, block_hashes: list[int], num_prompt_tokens: int, session_key: str | None,
-             candidates: list[str]) -> list[str]:
-        """Candidates in the policy's order of preference (every candidate appears once)."""
+             candidates: list[str], avoid: list[str] | tuple = ()) -> list[str]:
+        """Candidates in the policy's order of preference (every candidate appears once); stale
+        or stalled workers after the others, and last the ones in `avoid` (whose engine died under
+        this very request: the router's view of them may not show it yet)."""
         with self._lock:
             for wid in candidates:
                 if wid not in self._applied:
@@ -135,16 +139,19 @@ class RoutingState:
         order = [w for w in ranked if w in candidate_set]
         seen = set(order)
         order += [w for w in candidates if w not in seen]
-        stale = self.stale_workers()
-        if stale:
-            order = [w for w in order if w not in stale] + [w for w in order if w in stale]
+        for last in (self.stale_workers(), set(avoid)):
+            if last:
+                order = [w for w in order if w not in last] + [w for w in order if w in last]
         return order
 
     def stale_workers(self, now: float | None = None) -> set[str]:
         """Workers whose load report has not changed for STALE_LOAD_S (never-heard ones are new,
-        not stale)."""
+        not stale), or whose last report says their engine is stalled."""
         now = time.monotonic() if now is None else now
-        return {w for w, (_, changed) in self._heard.items() if now - changed > STALE_LOAD_S}
+        with self._lock:
+            heard = list(self._heard.items())
+            stalled = {w for w, load in self.loads.items() if load.stalled}
+        return stalled | {w for w, (_, changed) in heard if now - changed > STALE_LOAD_S}
 
     def _count_routed(self, worker_id: str, block_hashes: list[int], num_prompt_tokens: int) -> None:
         """Add the request to the worker's load as this copy sees it, until the worker's next report

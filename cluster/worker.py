@@ -6,8 +6,15 @@ thread of the replica instead, engine_loop.py).
 disconnect, cancel) the generator is closed and the request is aborted on the engine, freeing its
 KV blocks. A publisher task sends the engine's numbered KV event batches and the worker's load to
 the KV event hub, which every router copy reads. Load and custom metrics also go to Serve's routing
-stats and autoscaling metrics. The health check fails when the engine thread died or one step has
-run longer than `stall_timeout_s`.
+stats and autoscaling metrics.
+
+Health is the engine's, not the actor's (a frozen engine child leaves the actor's event loop
+running): when the engine dies, the health check fails (Serve replaces the replica), the load report
+says unhealthy at once (/health and every router copy drop the worker), and each request it held or
+is sent afterwards ends in EngineUnavailable, which the ingress retries on another worker while the
+client has seen no token. An engine that has requests and finishes no step for
+`replicas.engine_stall_timeout_s` is reported `stalled` (routers rank it last, so it drains) until
+it steps again; past KVMESH_STALL_TIMEOUT_S the health check fails too.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import time
 from ray import serve
 
 from kvmesh.cluster import autoscaling
-from kvmesh.cluster.engine_loop import coalesce
+from kvmesh.cluster.engine_loop import EngineUnavailable, coalesce
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.protocol import EngineRequest
@@ -43,6 +50,7 @@ class KVWorker:
 
         self.config: ServeConfig = parse_config(config)
         self.worker_id = worker_id_of_this_replica()
+        self.engine_stall_timeout_s = self.config.replicas.engine_stall_timeout_s
         device = self.config.engine.device
         num_threads = None
         if device == "cpu" or (device == "auto" and not _has_gpu()):
@@ -80,6 +88,11 @@ class KVWorker:
                 delta = coalesce(await stream.get(), stream)
                 while sent_first and not delta.finished and len(delta.token_ids) < interval:
                     delta = coalesce(delta.followed_by(await stream.get()), stream)
+                if delta.retryable:
+                    if delta.token_ids:  # tokens made before the engine died still reach the client
+                        yield dataclasses.replace(delta, finish_reason=None, error=None, retryable=False)
+                    finished = True
+                    raise EngineUnavailable(self.worker_id, delta.error)
                 finished, sent_first = delta.finished, sent_first or bool(delta.token_ids)
                 yield delta
                 if finished:
@@ -99,7 +112,10 @@ class KVWorker:
                          i["eos_token_id"], i["vocab_size"])
 
     async def load(self) -> dict:
-        return {"worker_id": self.worker_id, "load": self.loop.load, "stats": vars(self.loop.stats)}
+        return {"worker_id": self.worker_id, "load": self.current_load(), "stats": vars(self.loop.stats)}
+
+    def current_load(self):
+        return self.loop.report(self.engine_stall_timeout_s)
 
     # ---- Serve hooks -------------------------------------------------------------------------
 
@@ -141,7 +157,7 @@ class KVWorker:
         worker are known before its first KV event."""
         try:
             snap = await self.loop.snapshot()
-            await self.hub.publish_snapshot.remote(snap, self.loop.load, self._stats())
+            await self.hub.publish_snapshot.remote(snap, self.current_load(), self._stats())
         except Exception as e:
             logger.warning("kvmesh worker %s: announcing to the KV event hub failed: %r", self.worker_id, e)
 
@@ -163,12 +179,11 @@ class KVWorker:
                 batches = self.loop.take_kv_batches()
             try:
                 # Stamped now: an idle engine's load does not change, but routers must still see
-                # the heartbeat (a load that stops changing marks a stalled worker, routing_state).
-                heartbeat = dataclasses.replace(self.loop.load, timestamp=time.time())
-                ok = await self.hub.publish.remote(batches, heartbeat, self._stats(), block_size)
+                # the heartbeat (a load that stops changing marks a stalled replica, routing_state).
+                ok = await self.hub.publish.remote(batches, self.current_load(), self._stats(), block_size)
                 if not ok:
                     snap = await self.loop.snapshot()
-                    await self.hub.publish_snapshot.remote(snap, self.loop.load, self._stats())
+                    await self.hub.publish_snapshot.remote(snap, self.current_load(), self._stats())
                 last_load_sent = time.monotonic()
             except Exception as e:  # the hub restarts on failure; the next publish resyncs
                 logger.warning("kvmesh worker %s: publishing KV events failed: %r", self.worker_id, e)

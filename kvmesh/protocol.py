@@ -66,8 +66,11 @@ class WorkerLoad:
     running_decode_tokens: int = 0  # context tokens of running requests (KV read per decode step)
     kv_free_blocks: int = 0
     kv_total_blocks: int = 0
-    healthy: bool = True
+    healthy: bool = True  # False once the worker's engine is dead (the replica is being replaced)
     timestamp: float = 0.0
+    # The engine has requests but has not finished a step for `replicas.engine_stall_timeout_s`:
+    # routers rank this worker after the others until it steps again.
+    stalled: bool = False
 
     @property
     def kv_usage(self) -> float:
@@ -105,6 +108,8 @@ class TokenDelta:
     error: str | None = None
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    # With finish_reason "error": the worker's engine died, not the request; another worker may run it.
+    retryable: bool = False
 
     @property
     def finished(self) -> bool:
@@ -122,7 +127,7 @@ class TokenDelta:
             _joined(self.logprobs, later.logprobs), _joined(self.top_logprobs, later.top_logprobs),
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
-            self.arrival_time or later.arrival_time)
+            self.arrival_time or later.arrival_time, later.retryable)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

@@ -55,6 +55,7 @@ class ReplicasSection(_Strict):
     max_queued_requests: int = Field(1024, ge=-1, description="Requests an ingress may hold waiting for a free worker slot; beyond it new requests get 429 with Retry-After (-1 = no limit).")
     engine_process: bool = Field(True, description="Run the engine in a child process of the worker replica, so that a model step never waits for Python's GIL held by the replica's event loop while it streams tokens (false: on a thread of the replica).")
     resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources per worker replica (e.g. {accelerator_type:H200: 0.001}).")
+    engine_stall_timeout_s: float = Field(3.0, gt=0, description="A worker whose engine has requests but finishes no step for this long is reported stalled: routers rank it after every other worker (new requests go elsewhere) until it steps again.")
 
 
 class RoutingSection(_Strict):

@@ -39,6 +39,7 @@ class Outcome:
     statuses: list[int] = field(default_factory=list)
     detail: str = ""
     started_at: float = 0.0  # time.monotonic()
+    plain_errors: int = 0  # error answers whose body is not JSON (a server must never send one)
 
 
 class Traffic:
@@ -89,7 +90,7 @@ class Traffic:
                 resp = conn.getresponse()
                 out.statuses.append(resp.status)
                 if resp.status != 200:
-                    resp.read()
+                    out.plain_errors += not _is_json(resp.read())
                     out.detail = f"HTTP {resp.status}"
                     if resp.status not in RETRY_STATUSES:
                         break
@@ -206,5 +207,14 @@ def summarize(outcomes: list[Outcome]) -> dict:
     return {"requests": len(outcomes),
             "by_kind_result": {f"{k}:{r}": n for (k, r), n in sorted(by.items())},
             "retried": sum(1 for o in outcomes if o.attempts > 1),
+            "plain_text_errors": sum(o.plain_errors for o in outcomes),
             "lost": sum(1 for o in outcomes if o.result in ("failed", "hung")
                         or (o.kind == "whole" and o.result != "ok"))}
+
+
+def _is_json(body: bytes) -> bool:
+    try:
+        json.loads(body)
+        return True
+    except ValueError:
+        return False

@@ -96,6 +96,14 @@ class ReplicaProcesses:
             p.send_signal(sig)
 
 
+def engine_process_of(actor_pid: int) -> psutil.Process:
+    """The engine child (cluster/engine_process.py) of a worker replica's actor process."""
+    engines = [p for p in psutil.Process(actor_pid).children()
+               if "kvmesh.cluster.engine_process" in " ".join(p.cmdline())]
+    assert len(engines) == 1, engines
+    return engines[0]
+
+
 _WORKER_PIDS = """
 import os, sys, ray
 ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")

@@ -107,3 +107,35 @@ def test_a_consumer_that_fell_behind_gets_what_is_waiting_as_one_delta(engine):
         with pytest.raises(ValueError, match="request_id"):
             deltas[0].followed_by(dataclasses.replace(deltas[1], request_id="other"))
     run(main())
+
+
+def test_an_engine_thread_that_dies_fails_its_streams_retryably_like_a_dead_engine_process():
+    """Same contract as a killed engine process (test_cluster_engine_process.py): open streams
+    and later submits end with a retryable error, the worker is woken, the load says unhealthy."""
+    from kvmesh.worker.engine import Engine
+
+    engine = Engine(EngineConfig(model="random:tiny-llama", device="cpu", worker_id="w1"))
+
+    async def main():
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        wake_ups = []
+        loop.on_progress = lambda: wake_ups.append(loop.is_alive())
+        try:
+            out = loop.submit(EngineRequest("r", list(range(20)), SamplingParams(max_tokens=100_000, ignore_eos=True)))
+            await out.get()
+            engine.step = _failing_step  # the fault: the next step raises (a CUDA error, a bug)
+            last = (await drain(out))[-1]
+            assert last.finish_reason == "error" and last.retryable and "engine loop died" in last.error
+            assert not loop.is_alive() and wake_ups[-1] is False
+            assert not loop.report(stall_timeout_s=1.0).healthy
+            refused = await drain(loop.submit(EngineRequest("late", [1, 2, 3], SamplingParams(max_tokens=2))))
+            assert len(refused) == 1 and refused[0].retryable
+            with pytest.raises(RuntimeError, match="engine loop died"):
+                await loop.snapshot()
+        finally:
+            loop.stop()
+    run(main())
+
+
+def _failing_step():
+    raise RuntimeError("injected engine failure")

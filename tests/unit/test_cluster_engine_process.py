@@ -1,7 +1,8 @@
 """The engine in a child process (cluster/engine_process.py): a real Engine (tiny random model) in
 its own interpreter, driven over a socket pair. Same asyncio-side contract as the in-process loop:
-streams, aborts, snapshots, KV event batches, load and counters; a dead engine process fails its
-streams and the health check; a stopped or orphaned one exits."""
+streams, aborts, snapshots, KV event batches, load and counters; a killed engine process fails its
+streams retryably and reports unhealthy; a SIGSTOPped one is reported stalled until it runs again;
+a stopped or orphaned one exits."""
 
 import asyncio
 import functools
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +24,7 @@ from engine_loop_support import drain, run_within  # tests/unit
 
 CONFIG = EngineConfig(model="random:tiny-llama", device="cpu", worker_id="w0")
 run = functools.partial(run_within, timeout_s=120)
+STALL_S = 1.0  # the stall timeout these tests judge by
 
 
 def test_streams_aborts_snapshots_and_counts_like_the_in_process_loop():
@@ -64,16 +67,53 @@ def test_streams_aborts_snapshots_and_counts_like_the_in_process_loop():
     assert len(tokens) == 6 and counters["requests"] == 2 and counters["errors"] == 1
 
 
-def test_a_dead_engine_process_fails_its_streams_and_the_health_check():
+def test_a_killed_engine_process_fails_its_streams_retryably_and_reports_unhealthy_at_once():
     async def main():
         loop = EngineProcessLoop(CONFIG, asyncio.get_running_loop(), num_threads=1)
+        wake_ups = []  # the engine's liveness at each wake-up of the worker's publisher
+        loop.on_progress = lambda: wake_ups.append(loop.is_alive())
         try:
             out = loop.submit(EngineRequest("r", list(range(20)), SamplingParams(max_tokens=100_000, ignore_eos=True)))
             await out.get()
+            assert loop.report(STALL_S).healthy
             os.kill(loop._proc.pid, signal.SIGKILL)
-            last = await drain(out)
-            assert last[-1].finish_reason == "error" and "engine loop died" in last[-1].error
+            last = (await drain(out))[-1]
+            # the request is not at fault: marked for another worker to run it
+            assert last.finish_reason == "error" and last.retryable and "engine process died" in last.error
             assert not loop.is_alive()
+            assert wake_ups[-1] is False  # ... and the worker was woken to publish the death
+            assert not loop.report(STALL_S).healthy and not loop.load.healthy
+            # a request sent to the dead engine is refused at once, retryably; so is a snapshot
+            refused = await drain(loop.submit(EngineRequest("late", [1, 2, 3], SamplingParams(max_tokens=2))))
+            assert len(refused) == 1 and refused[0].retryable and refused[0].finish_reason == "error"
+            with pytest.raises(RuntimeError, match="engine process died"):
+                await loop.snapshot()
+        finally:
+            loop.stop()
+    run(main())
+
+
+def test_a_stopped_engine_process_is_reported_stalled_after_the_timeout_and_recovers_when_continued():
+    async def main():
+        loop = EngineProcessLoop(CONFIG, asyncio.get_running_loop(), num_threads=1)
+        pid = loop._proc.pid
+        try:
+            out = loop.submit(EngineRequest("r", list(range(20)), SamplingParams(max_tokens=100_000, ignore_eos=True)))
+            await out.get()
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                while not loop.report(STALL_S).stalled:  # bounded by the test's timeout
+                    await asyncio.sleep(0.05)
+                assert time.monotonic() - stopped >= STALL_S - 0.2  # not before the timeout
+                assert loop.is_alive() and loop.report(STALL_S).healthy  # stalled, not dead
+                while not out.empty():  # what it sent before it stopped
+                    out.get_nowait()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await out.get()  # it steps again
+            assert not loop.report(STALL_S).stalled and loop.stalled_for() < STALL_S
+            loop.abort("r")
         finally:
             loop.stop()
     run(main())

@@ -38,3 +38,35 @@ def test_a_worker_whose_load_stops_changing_is_ranked_last(monkeypatch):
     report(9.0, ["holder", "other"])
     assert state.stale_workers() == set()
     assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"])[0] == "holder"
+
+
+def test_a_worker_that_reports_its_engine_stalled_is_ranked_last_until_it_steps_again():
+    """The replica's actor still reports (fresh heartbeats) while its engine process is frozen; the
+    load's `stalled` flag ranks it last all the same."""
+    log = EventLog()
+    log.publish_snapshot(KVSnapshot("holder", 1, 0, HASHES, 16))
+    log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
+    state = RoutingState("kv_events", 16)
+
+    def report(t, stalled):
+        log.update_load(WorkerLoad("holder", kv_free_blocks=100, kv_total_blocks=100, timestamp=t, stalled=stalled))
+        log.update_load(WorkerLoad("other", kv_free_blocks=100, kv_total_blocks=100, timestamp=t))
+        state.apply(log.poll(state.instance, state.cursor))
+
+    report(1.0, stalled=True)
+    assert state.stale_workers() == {"holder"}
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"]) == ["other", "holder"]
+    report(2.0, stalled=False)
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"])[0] == "holder"
+
+
+def test_a_worker_whose_engine_died_under_the_request_is_ranked_last_for_its_retry():
+    """The retry of a request whose engine died is routed before every router copy has seen the
+    death: the request names the worker to avoid."""
+    log = EventLog()
+    log.publish_snapshot(KVSnapshot("holder", 1, 0, HASHES, 16))
+    log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
+    state = RoutingState("kv_events", 16)
+    state.apply(log.poll(state.instance, state.cursor))
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"])[0] == "holder"
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"], avoid=["holder"]) == ["other", "holder"]
