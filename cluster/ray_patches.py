@@ -18,7 +18,9 @@ logger = logging.getLogger("kvmesh.cluster")
 HOOK = "kvmesh.cluster.ray_patches.setup_worker"
 
 # Modules with an apply(); applied in this order.
-PATCHES: tuple[str, ...] = ()
+PATCHES: tuple[str, ...] = (
+    "kvmesh.cluster.grpc_proxy_cancel",
+)
 
 
 def setup_worker() -> None:
