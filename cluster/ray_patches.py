@@ -19,7 +19,7 @@ HOOK = "kvmesh.cluster.ray_patches.setup_worker"
 
 # Modules with an apply(); applied in this order.
 PATCHES: tuple[str, ...] = (
-    "kvmesh.cluster.grpc_proxy_cancel",
+    "kvmesh.cluster.serve_grpc_cancel",
 )
 
 

@@ -12,11 +12,11 @@ over gRPC and HTTP on 127.0.0.1:
 """
 
 import concurrent.futures as cf
-import http.client
 import json
 import statistics
 import time
 import uuid
+from http.client import HTTPConnection
 
 import grpc
 import pytest
@@ -146,7 +146,7 @@ def seconds_until_idle(cluster, since: float) -> float:
 
 
 def http_disconnect(cluster, after_chunks: int) -> float:
-    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=60)
+    conn = HTTPConnection("127.0.0.1", cluster.http_port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({
         "model": MODEL, "prompt": "disconnect me", "max_tokens": LONG, "ignore_eos": True,
         "stream": True}), {"Content-Type": "application/json", **auth(KEY_A)})
