@@ -65,8 +65,8 @@ def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -
 
 
 def _caller(service, grpc_context) -> str:
-    """The scope of the caller's labels: a digest of its API key (the key itself is kept nowhere
-    else); "" when no keys are configured, so all callers share one scope."""
+    """The scope of the caller's labels: a digest of its API key (so the table of labels holds no
+    key); "" when no keys are configured, so all callers share one scope."""
     if not service.api_keys.enabled:
         return ""
     key = bearer_token(grpc_authorization(grpc_context)) or ""
