@@ -161,11 +161,15 @@ def http_disconnect(cluster, after_chunks: int) -> float:
     return gone
 
 
+def long_generate(channel, prompt: str, timeout_s: float):
+    return pb_grpc.GenerationStub(channel).Generate(
+        pb.GenerateRequest(prompt=prompt, max_tokens=LONG, ignore_eos=True), timeout=timeout_s,
+        metadata=[("authorization", f"Bearer {KEY_A}")])
+
+
 def grpc_cancel(cluster, after_messages: int) -> float:
     with grpc.insecure_channel(cluster.grpc_target) as channel:
-        call = pb_grpc.GenerationStub(channel).Generate(
-            pb.GenerateRequest(prompt="cancel me", max_tokens=LONG, ignore_eos=True),
-            timeout=60, metadata=[("authorization", f"Bearer {KEY_A}")])
+        call = long_generate(channel, "cancel me", 60)
         for i, _ in enumerate(call, 1):
             if i == after_messages:
                 break
@@ -176,9 +180,7 @@ def grpc_cancel(cluster, after_messages: int) -> float:
 
 def grpc_deadline(cluster, deadline_s: float) -> float:
     with grpc.insecure_channel(cluster.grpc_target) as channel:
-        call = pb_grpc.GenerationStub(channel).Generate(
-            pb.GenerateRequest(prompt="deadline me", max_tokens=LONG, ignore_eos=True),
-            timeout=deadline_s, metadata=[("authorization", f"Bearer {KEY_A}")])
+        call = long_generate(channel, "deadline me", deadline_s)
         with pytest.raises(grpc.RpcError) as e:
             for _ in call:
                 pass
