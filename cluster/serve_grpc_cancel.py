@@ -1,24 +1,19 @@
-"""Serve's gRPC servers (Ray 2.60) can miss a client's cancel or deadline, and the request then runs
+"""Serve's gRPC proxy (Ray 2.60) can miss a client's cancel or deadline, and the request then runs
 to its end on the ingress and the worker.
 
-Two of a request's hops are gRPC servers that Serve runs with asyncio: the gRPC proxy (client ->
-ingress) and each replica's inter-deployment server (ingress -> worker, in throughput-optimized
-mode). Both answer a streaming call with an async generator that gRPC iterates; a cancel cancels
-gRPC's task wherever it is. When it lands while gRPC is writing a message (rather than while the
-generator awaits its next result), the generators are left suspended at a `yield`, and nothing
-stops the request until the garbage collector finalizes them: seconds later, or never before the
-request ends (Serve freezes the GC and slows it down). Measured on a CPU cluster, before the fix:
-about 1 in 10 proxy cancels and deadlines lost this way.
+The proxy answers a streaming call with an async generator that gRPC's asyncio server iterates; a
+cancel cancels gRPC's task wherever it is. When it lands while gRPC is writing a message (rather
+than while the proxy awaits the replica's next result, where Serve cancels the replica call), the
+generators are left suspended at a `yield`, and nothing cancels the replica call until the garbage
+collector finalizes them: seconds later, or never before the request ends (Serve freezes the GC
+and slows it down). Measured on a CPU cluster: 4 of 50 cancels and deadlines never cancelled the
+replica call.
 
-- proxy: the replica call is cancelled from gRPC's done callback when the client's call ends
-  cancelled (by the client or its deadline), whatever state the generators are in;
-- replica: the streaming methods write through `context.write` from a coroutine, so a cancel lands
-  in that coroutine, which then closes the generator (and so the deployment's own generator).
+The fix ties the replica call to the gRPC call: when the call ends cancelled (by the client or its
+deadline), gRPC's done callback cancels the replica call, whatever state the generators are in.
 """
 
 from __future__ import annotations
-
-STREAMING_METHODS = ("HandleRequestStreaming", "HandleRequestWithRejectionStreaming")
 
 
 class _CancelledWithTheCall:
@@ -42,22 +37,8 @@ class _CancelledWithTheCall:
         return response
 
 
-def _closed_when_cancelled(stream_method):
-    async def write_stream(self, request, context):
-        results = stream_method(self, request, context)
-        try:
-            async for item in results:
-                await context.write(item)
-        finally:  # after a cancel during a write, `results` waits at a yield: close it
-            await results.aclose()
-
-    write_stream.kvmesh_patched = True
-    return write_stream
-
-
 def apply() -> None:
     from ray.serve._private.proxy import gRPCProxy
-    from ray.serve._private.replica import Replica
 
     original = gRPCProxy.setup_request_context_and_handle
     if getattr(original, "kvmesh_patched", False):
@@ -71,5 +52,3 @@ def apply() -> None:
 
     setup_request_context_and_handle.kvmesh_patched = True
     gRPCProxy.setup_request_context_and_handle = setup_request_context_and_handle
-    for name in STREAMING_METHODS:
-        setattr(Replica, name, _closed_when_cancelled(getattr(Replica, name)))
