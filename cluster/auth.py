@@ -81,11 +81,16 @@ class ApiKeys:
     def allows_grpc(self, endpoint: str, grpc_context) -> bool:
         if not self.needs_key(endpoint):
             return True
-        metadata = grpc_context.invocation_metadata() if grpc_context is not None else []
-        value = next((v for k, v in metadata if k.lower() == "authorization"), None)
-        if isinstance(value, bytes):
-            value = value.decode("utf-8", "replace")
-        return self.accepts(bearer_token(value))
+        return self.accepts(bearer_token(grpc_authorization(grpc_context)))
+
+
+def grpc_authorization(grpc_context) -> str | None:
+    """The `authorization` metadata of a gRPC call (None without one)."""
+    metadata = grpc_context.invocation_metadata() if grpc_context is not None else []
+    value = next((v for k, v in metadata if k.lower() == "authorization"), None)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value
 
 
 def bearer_token(authorization: str | None) -> str | None:

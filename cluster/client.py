@@ -17,7 +17,9 @@ def grpc_stream(target: str, prompt: str | None = None, messages: list[dict] | N
                 max_tokens: int = 16, temperature: float | None = None, seed: int | None = None,
                 request_id: str = "", timeout_s: float = 300.0, api_key: str | None = None,
                 **fields) -> Iterator:
-    """Yields kvmesh.v1.GenerateResponse messages (the last one has finish_reason and usage)."""
+    """Yields kvmesh.v1.GenerateResponse messages (the last one has finish_reason and usage).
+    request_id: a label of the caller's for the request (what Abort takes; one label in flight per
+    API key). timeout_s: the call's deadline; when it passes, the server stops the request."""
     import grpc
 
     from kvmesh.proto import kvmesh_pb2 as pb

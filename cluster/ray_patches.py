@@ -19,10 +19,11 @@ HOOK = "kvmesh.cluster.ray_patches.setup_worker"
 
 # Modules with an apply(); applied in this order.
 PATCHES: tuple[str, ...] = (
-    "kvmesh.cluster.stream_idle_timeout",
     "kvmesh.cluster.serve_bind_address",  # replica-internal gRPC and the gRPC proxy off [::]
     "kvmesh.cluster.serve_http_limits",   # header size and header-read time on Serve's HTTP proxy
     "kvmesh.cluster.serve_grpc_decode",   # malformed request bytes -> INVALID_ARGUMENT
+    "kvmesh.cluster.serve_grpc_cancel",   # a client's cancel reaches the ingress call
+    "kvmesh.cluster.stream_idle_timeout",  # a streaming HTTP client that reads nothing is cut
 )
 
 

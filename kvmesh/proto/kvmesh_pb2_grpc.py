@@ -67,7 +67,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running request by id (the id given in GenerateRequest.request_id).
+        """Aborts one of the caller's running requests by its label (GenerateResponse.request_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
