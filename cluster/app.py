@@ -40,8 +40,7 @@ def worker_options(cfg: ServeConfig) -> dict:
                 # report behind and would call an idle worker full.
                 "block_size": cfg.engine.block_size, "cap": None,
                 "temperature": cfg.routing.temperature,
-                "poll_timeout_s": cfg.routing.event_poll_timeout_s},
-            request_routing_stats_period_s=1.0),
+                "poll_timeout_s": cfg.routing.event_poll_timeout_s}),
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_timeout_s": 5.0,

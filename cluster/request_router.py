@@ -24,9 +24,6 @@ from kvmesh.cluster.routing_state import RoutingState
 
 logger = logging.getLogger("kvmesh.cluster")
 
-# The copies in this process, so the ingress can read loads and stats for /metrics without
-# another poll of the hub (one process normally holds one copy).
-ROUTER_COPIES: list["KVAwareRequestRouter"] = []
 SYNC_WAIT_S = 2.0
 DEBUG = os.environ.get("KVMESH_DEBUG_ROUTING") == "1"
 
@@ -48,7 +45,6 @@ class KVAwareRequestRouter(RequestRouter):
         self.hub = get_or_create_hub(app_name)
         self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied
         self._consumer = asyncio.get_running_loop().create_task(self._consume_events())
-        ROUTER_COPIES.append(self)
         process_metrics.track_router(self)  # by module attribute: this module is pickled by value
 
     async def _consume_events(self):

@@ -5,8 +5,8 @@ thread of the replica instead, engine_loop.py).
 `generate(RoutedRequest)` is an async generator of TokenDeltas; when its caller goes away (client
 disconnect, cancel) the generator is closed and the request is aborted on the engine, freeing its
 KV blocks. A publisher task sends the engine's numbered KV event batches and the worker's load to
-the KV event hub, which every router copy reads. Load and custom metrics also go to Serve's routing
-stats and autoscaling metrics.
+the KV event hub, which every router copy reads. Custom metrics also go to Serve's autoscaling
+metrics.
 
 Health is the engine's, not the actor's (a frozen engine child leaves the actor's event loop
 running): when the engine dies, the health check fails (Serve replaces the replica), the load report
@@ -101,18 +101,10 @@ class KVWorker:
             if not finished:  # the caller went away: free the request's KV blocks now
                 self.loop.abort(routed.request_id)
 
-    async def abort(self, request_id: str) -> bool:
-        known = request_id in self.loop._streams
-        self.loop.abort(request_id)
-        return known
-
     async def model_info(self) -> ModelInfo:
         i = self.loop.info
         return ModelInfo(i["model_name"], i["max_model_len"], i["block_size"], i["hash_salt"],
                          i["eos_token_id"], i["vocab_size"])
-
-    async def load(self) -> dict:
-        return {"worker_id": self.worker_id, "load": self.current_load(), "stats": vars(self.loop.stats)}
 
     def current_load(self):
         return self.loop.report(self.engine_stall_timeout_s)
@@ -126,12 +118,6 @@ class KVWorker:
         if stalled > STALL_TIMEOUT_S:
             raise RuntimeError(f"engine step of {self.worker_id} has run {stalled:.0f} s "
                                f"(limit {STALL_TIMEOUT_S:.0f} s): no progress")
-
-    def record_routing_stats(self) -> dict:
-        load = self.loop.load
-        return {"running": load.running, "waiting": load.waiting,
-                "kv_free_blocks": load.kv_free_blocks, "kv_total_blocks": load.kv_total_blocks,
-                "waiting_prefill_tokens": load.waiting_prefill_tokens}
 
     def record_autoscaling_stats(self) -> dict:
         load = self.loop.load

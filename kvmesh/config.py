@@ -32,7 +32,6 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     worker_id: str = "worker-0"
-    max_num_preemptions_logged: int = 0
 
     def __post_init__(self):
         def fail(name, limit):

@@ -28,10 +28,6 @@ class Router:
                                   **policy_kwargs)
         self._lock = threading.Lock()
 
-    @property
-    def policy_name(self) -> str:
-        return self.policy.name
-
     # ---- membership and load -----------------------------------------------------------------
 
     def add_worker(self, worker_id: str, cap: int | None = None) -> None:

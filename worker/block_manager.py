@@ -5,11 +5,22 @@ hash (kvmesh.hashing) so a later request with the same prefix reuses it. Free bl
 list: blocks holding nothing cached are handed out first, then the least recently freed cached
 blocks (whose hashes are then evicted). A cached block that is hit while free is revived. The pool
 records BlockStored / BlockRemoved / AllCleared events for the router.
+
+The scheduler uses only the request-level methods (get_computed_blocks, allocate_slots,
+cache_full_blocks, free, num_free_blocks), shaped like nano-vllm's BlockManager and
+vLLM v1's KVCacheManager; the block-level ones below them are the pool's mechanics.
 """
 
+from __future__ import annotations
+
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    from kvmesh.worker.sequence import Request
 
 
 class KVBlock:
@@ -30,16 +41,55 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.pending_events: list[KVEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- a request's block table (the scheduler's API) ---------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The cached prefix of a request that holds no blocks (new, or preempted): block ids to
+        pass to allocate_slots, capped so at least one prompt token is left to compute."""
+        return self.find_cached_prefix(request.all_token_ids, request.block_hashes)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Grow request.block_ids to hold its computed tokens, the cached `computed_blocks` (from
+        get_computed_blocks, for a request being admitted) and `num_new_tokens` more. False,
+        changing nothing, when the free list cannot supply the blocks."""
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        needed = max(0, self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks))
+        # cached blocks that are free now are revived: they come off the free list too
+        num_revived = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
+        if needed + num_revived > len(self._free):
+            return False
+        if computed_blocks:
+            self.acquire(computed_blocks)
+            request.block_ids.extend(computed_blocks)
+            request.num_cached_blocks = len(computed_blocks)
+        if needed:
+            request.block_ids.extend(self.allocate(needed))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks whose tokens are all known."""
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if num_full > request.num_cached_blocks:
+            self.cache_blocks(request.block_ids[:num_full], request.block_hashes[:num_full],
+                              request.all_token_ids, request.num_cached_blocks)
+            request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first (see release)."""
+        self.release(request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0
 
     # ---- prefix cache lookups ----------------------------------------------------------------
 
@@ -65,18 +115,18 @@ class BlockManager:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free[block_id]
+                del self._free[block_id]
             block.ref_count += 1
 
     # ---- allocation --------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks off the free list (caller checks num_free_blocks first)."""
-        if num_blocks > len(self.free):
-            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self.free)} free")
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self._free)} free")
         block_ids, evicted = [], []
         for _ in range(num_blocks):
-            block_id, _ = self.free.popitem(last=False)
+            block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
@@ -96,9 +146,9 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
-            self.free[block_id] = None
+            self._free[block_id] = None
             if block.block_hash is None:
-                self.free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+                self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
 
     # ---- caching computed blocks -------------------------------------------------------------
 

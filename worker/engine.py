@@ -50,8 +50,6 @@ class Engine:
         self._finished_out: list[TokenDelta] = []  # deltas of aborted/failed requests, returned by the next step
         self.epoch = random.SystemRandom().getrandbits(62)
         self._next_seq = 0
-        self.num_steps = 0
-        self.last_step_time = time.monotonic()
 
     # ---- sizing ------------------------------------------------------------------------------
 
@@ -140,13 +138,11 @@ class Engine:
             deltas.extend(self._process(*self._in_flight))
             self._in_flight = None
         output = self.scheduler.schedule()
-        self.last_step_time = time.monotonic()
         launched = None
         if not output.is_empty:
             previous_samples = self._in_flight[1] if self._in_flight is not None else None
             launched = self.runner.execute(output, previous_samples)
             self.scheduler.advance(output)
-            self.num_steps += 1
             if launched is not None:
                 for row, req in enumerate(launched.requests):
                     req.append_placeholder(row)
@@ -192,13 +188,11 @@ class Engine:
     def _check_finish(self, req: Request, token: int) -> str | None:
         params = req.sampling_params
         if token in params.stop_token_ids:
-            req.stop_reason = token
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         stop = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
         if stop is not None:
-            req.stop_reason = stop
             return "stop"
         num_tokens = req.num_tokens - req.num_pending
         if req.num_resolved_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:

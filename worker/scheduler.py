@@ -8,7 +8,7 @@ goes back to the front of the queue to be recomputed later (its cached prefix us
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.sequence import Request, RequestStatus
@@ -24,8 +24,6 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes (1 new token) first, then prompt chunks
-    num_batched_tokens: int
-    preempted: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -52,7 +50,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        preempted = False
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -61,10 +59,10 @@ class Scheduler:
                 index += 1  # its token in flight is its last: nothing more to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._allocate(request, num_new):
+            while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted = True
                 if victim is request:
                     break
             else:
@@ -78,19 +76,13 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 # a waiting request holds no blocks (new, or preempted and released)
-                hits = self.block_manager.find_cached_prefix(request.all_token_ids, request.block_hashes)
+                hits = self.block_manager.get_computed_blocks(request)
                 num_computed = len(hits) * self.block_manager.block_size
                 num_new = min(request.num_tokens - num_computed, budget)
-                needed = self.block_manager.blocks_needed(num_computed + num_new) - len(hits)
-                # hits that are free now would be revived: they come off the free list too
-                num_revived = sum(1 for b in hits if self.block_manager.blocks[b].ref_count == 0)
-                if needed + num_revived > self.block_manager.num_free_blocks:
+                if not self.block_manager.allocate_slots(request, num_new, hits):
                     break
                 self.waiting.popleft()
-                self.block_manager.acquire(hits)
-                request.block_ids = hits + self.block_manager.allocate(needed)
                 request.num_computed_tokens = num_computed
-                request.num_cached_blocks = len(hits)
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_computed
                 request.status = RequestStatus.RUNNING
@@ -99,7 +91,7 @@ class Scheduler:
                 budget -= num_new
 
         scheduled.sort(key=lambda s: s.num_new_tokens != 1 or not s.samples)  # decodes first (stable)
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(scheduled)
 
     def _ends_with_pending(self, request: Request) -> bool:
         return (len(request.output_token_ids) >= request.sampling_params.max_tokens
@@ -108,20 +100,9 @@ class Scheduler:
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
 
-    def _allocate(self, request: Request, num_new: int) -> bool:
-        needed = self.block_manager.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_ids)
-        if needed <= 0:
-            return True
-        if needed > self.block_manager.num_free_blocks:
-            return False
-        request.block_ids.extend(self.block_manager.allocate(needed))
-        return True
-
     def _preempt(self, request: Request) -> None:
-        self.block_manager.release(request.block_ids)
-        request.block_ids = []
+        self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.num_cached_blocks = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -135,14 +116,8 @@ class Scheduler:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks whose tokens are all known."""
-        if request.is_finished:
-            return
-        num_full = min(request.num_computed_tokens // self.block_manager.block_size, len(request.block_hashes))
-        if num_full > request.num_cached_blocks:
-            self.block_manager.cache_blocks(
-                request.block_ids[:num_full], request.block_hashes[:num_full],
-                request.all_token_ids, request.num_cached_blocks)
-            request.num_cached_blocks = num_full
+        if not request.is_finished:
+            self.block_manager.cache_full_blocks(request)
 
     def finish(self, request: Request) -> None:
         """Remove a request (finished or aborted) and release its blocks."""
@@ -150,6 +125,5 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.release(request.block_ids)
-        request.block_ids = []
+        self.block_manager.free(request)
         request.status = RequestStatus.FINISHED

@@ -34,7 +34,6 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens served by the cache, first schedule
         self.block_hashes: list[int] = compute_block_hashes(prompt_token_ids, block_size, salt)
         self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

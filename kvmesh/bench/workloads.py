@@ -42,7 +42,3 @@ def nano_vllm_workload(num_prompts: int = 256, max_input_len: int = 1024, max_ou
                for _ in range(num_prompts)]
     max_tokens = [rng.randint(min_len, max_output_len) for _ in range(num_prompts)]
     return Workload(prompts, max_tokens)
-
-
-def is_nano_vllm_workload(workload: Workload, num_prompts: int) -> bool:
-    return num_prompts == 256 and workload.num_output_tokens == NANO_VLLM_OUTPUT_TOKENS
