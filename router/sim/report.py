@@ -30,10 +30,14 @@ def format_table(report: dict) -> str:
     rows = [header]
     for name, metrics in report["policies"].items():
         rows.append([name] + [fmt.format(metrics[m] * _SCALE.get(m, 1)) for m, _, fmt in _COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    return "\n".join(lines)
+    return "\n".join(lines + _aligned(rows))
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell: the first (names) to the left, numbers to the right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
 
 
 def plot_ttft(results: dict, report: dict, path: str) -> None:
@@ -91,9 +95,7 @@ def _interval_rows(table: dict, signed: bool = False) -> list[str]:
             cells.append(f"{num.format(iv['mean'] * scale)} [{fmt.format(iv['lo'] * scale)}, "
                          f"{fmt.format(iv['hi'] * scale)}]")
         rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-            for r in rows]
+    return _aligned(rows)
 
 
 def _seed_list(seeds: list[int]) -> str:
