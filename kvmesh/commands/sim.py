@@ -24,9 +24,14 @@ def register(subparsers) -> None:
                       help="offered load as a fraction of the estimated capacity (default 0.7)")
     rate.add_argument("--rate", type=float, default=None, help="offered load in requests/s")
     p.add_argument("--requests", type=int, default=5000, help="requests in the trace (default 5000)")
-    p.add_argument("--seed", type=int, default=0)
+    seed = p.add_mutually_exclusive_group()
+    seed.add_argument("--seed", type=int, default=0)
+    seed.add_argument("--seeds", metavar="SPEC",
+                      help="run every policy on each of several seeds and report the mean and 95%% "
+                           "interval: a range 0-9, a list 0,3,5 or a count 10 (seeds 0..9)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="PATH.png", help="write a TTFT-per-policy figure")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="write a TTFT-per-policy figure (with --seeds: TTFT p99 with interval bars)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV blocks per worker (default: what fits on an H200 after the weights)")
     p.add_argument("--max-batch", type=int, default=128, help="running requests per worker (default 128)")
@@ -69,6 +74,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh.router.sim.cluster import SimConfig
     from kvmesh.router.sim.report import format_table, plot_ttft
     from kvmesh.router.sim.run import resolve_policies, run
+    from kvmesh.router.sim.stats import parse_seeds
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
@@ -84,6 +90,8 @@ def _run(args: argparse.Namespace) -> int:
                        event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events,
                        recent_ttl_s=None if args.no_recent_routes else 2.0)
     options = parse_workload_options(args.workload_opt)
+    if args.seeds is not None:
+        return _run_seeds(args, policies, config, parse_seeds(args.seeds), load, options)
     try:
         report = run(args.workload, policies, config, num_requests=args.requests, load=load,
                      rate=args.rate, progress=not args.no_progress, workload_options=options,
@@ -100,4 +108,26 @@ def _run(args: argparse.Namespace) -> int:
         print(format_table(report))
         if args.plot:
             print(f"TTFT figure: {args.plot}")
+    return 0
+
+
+def _run_seeds(args: argparse.Namespace, policies: list[str], config, seeds: list[int], load,
+               options: dict) -> int:
+    from kvmesh.router.sim.report import format_seeds_table, plot_ttft_p99_intervals
+    from kvmesh.router.sim.run import run_seeds
+
+    try:
+        report = run_seeds(args.workload, policies, config, seeds, num_requests=args.requests, load=load,
+                           rate=args.rate, progress=not args.no_progress, workload_options=options)
+    except TypeError as e:  # an unknown --workload-opt key
+        raise ValueError(f"workload {args.workload}: {e}") from None
+    if args.plot:
+        plot_ttft_p99_intervals(report, args.plot)
+    if args.json:
+        json.dump(report, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_seeds_table(report))
+        if args.plot:
+            print(f"TTFT p99 figure: {args.plot}")
     return 0

@@ -1,4 +1,4 @@
-"""Human-readable table and the TTFT-per-policy figure of a `kvmesh sim` run."""
+"""Human-readable tables and the TTFT figures of a `kvmesh sim` run, on one seed or over several."""
 
 from kvmesh.router.sim.metrics import METRICS
 
@@ -30,10 +30,14 @@ def format_table(report: dict) -> str:
     rows = [header]
     for name, metrics in report["policies"].items():
         rows.append([name] + [fmt.format(metrics[m] * _SCALE.get(m, 1)) for m, _, fmt in _COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    return "\n".join(lines)
+    return "\n".join(lines + _aligned(rows))
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell: the first (names) to the left, numbers to the right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
 
 
 def plot_ttft(results: dict, report: dict, path: str) -> None:
@@ -56,6 +60,69 @@ def plot_ttft(results: dict, report: dict, path: str) -> None:
     ax.axhline(0.99, color="grey", lw=0.5, ls="--")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# Over seeds: the metrics the issue judges a policy by; each shown as mean [95% interval].
+_SEED_COLUMNS = [m for m in _COLUMNS if m[0] in ("hit_rate", "ttft_p50_s", "ttft_p99_s",
+                                                  "throughput_tok_s", "decision_p99_us")]
+
+
+def format_seeds_table(report: dict) -> str:
+    """Per policy the mean [95% interval] over seeds, then each policy minus the reference by seed."""
+    cfg = report["config"]
+    seeds = report["seeds"]
+    load = f"load {cfg['load']:.2f}" if cfg["load"] is not None else f"{cfg['rate_req_s']:.1f} req/s"
+    lines = [f"{cfg['workload']} on {cfg['workers']} workers: {cfg['requests']} requests, {load}, "
+             f"{len(seeds)} seeds ({_seed_list(seeds)}); mean [95% t-interval]"]
+    lines += _interval_rows(report["summary"])
+    if report["paired"]:
+        lines += ["", "minus kv_events, paired by seed (an interval excluding 0 is a real difference)"]
+        lines += _interval_rows(report["paired"], signed=True)
+    return "\n".join(lines)
+
+
+def _interval_rows(table: dict, signed: bool = False) -> list[str]:
+    rows = [["policy"] + [h for _, h, _ in _SEED_COLUMNS]]
+    for name, metrics in table.items():
+        cells = [name]
+        for m, _, fmt in _SEED_COLUMNS:
+            scale = _SCALE.get(m, 1)
+            iv = metrics[m]
+            num = fmt.replace("{:", "{:+") if signed else fmt
+            cells.append(f"{num.format(iv['mean'] * scale)} [{fmt.format(iv['lo'] * scale)}, "
+                         f"{fmt.format(iv['hi'] * scale)}]")
+        rows.append(cells)
+    return _aligned(rows)
+
+
+def _seed_list(seeds: list[int]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ",".join(map(str, seeds))
+
+
+def plot_ttft_p99_intervals(report: dict, path: str) -> None:
+    """TTFT p99 per policy: mean over seeds with its 95% interval as an error bar, each seed a dot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["summary"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for x, name in enumerate(names):
+        iv = report["summary"][name]["ttft_p99_s"]
+        ax.errorbar([x], [iv["mean"] * 1e3], yerr=[[(iv["mean"] - iv["lo"]) * 1e3], [(iv["hi"] - iv["mean"]) * 1e3]],
+                    fmt="o", capsize=6, color="C0")
+        dots = [r["policies"][name]["ttft_p99_s"] * 1e3 for r in report["per_seed"]]
+        ax.plot([x + 0.15] * len(dots), dots, ".", color="grey", alpha=0.6)
+    cfg = report["config"]
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT p99 (ms), mean and 95% interval")
+    load = f"load {cfg['load']:.2f}" if cfg["load"] is not None else f"{cfg['rate_req_s']:.0f} req/s"
+    ax.set_title(f"TTFT p99 over {len(report['seeds'])} seeds: {cfg['workload']}, {cfg['workers']} workers, {load}")
+    ax.grid(True, which="both", axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,11 +2,14 @@
 each) and collect the metrics: what `kvmesh sim` prints."""
 
 import dataclasses
+import sys
+from collections.abc import Callable
 
 from kvmesh.router.policies import POLICY_NAMES
 from kvmesh.router.sim.capacity import capacity_req_s
 from kvmesh.router.sim.cluster import SimConfig, simulate
-from kvmesh.router.sim.metrics import oracle_hit_rate, summarize
+from kvmesh.router.sim.metrics import METRICS, oracle_hit_rate, summarize
+from kvmesh.router.sim.stats import paired_differences, summarize_seeds
 from kvmesh.router.sim.workloads import Workload, assign_arrivals, make_workload
 
 
@@ -22,9 +25,10 @@ def resolve_policies(policy: str) -> list[str]:
 
 def run(workload: str | Workload, policies: list[str], config: SimConfig, num_requests: int = 5000,
         load: float | None = 0.7, rate: float | None = None, progress: bool = False,
-        workload_options: dict | None = None, keep_results: bool = False) -> dict:
+        workload_options: dict | None = None, keep_results: bool = False,
+        after_each: Callable[[str], None] | None = None) -> dict:
     """{"policies": {name: metrics}, "config": {...}}; with keep_results, also "results":
-    {name: SimResult} (not JSON)."""
+    {name: SimResult} (not JSON). `after_each(policy)` is called as each policy's run ends."""
     if (load is None) == (rate is None):
         raise ValueError("give exactly one of load or rate")
     if load is not None and load <= 0:
@@ -44,9 +48,42 @@ def run(workload: str | Workload, policies: list[str], config: SimConfig, num_re
         out["policies"][name] = summarize(result, oracle)
         if keep_results:
             results[name] = result
+        if after_each is not None:
+            after_each(name)
     if keep_results:
         out["results"] = results
     return out
+
+
+def run_seeds(workload: str, policies: list[str], config: SimConfig, seeds: list[int],
+              num_requests: int = 5000, load: float | None = 0.7, rate: float | None = None,
+              progress: bool = False, workload_options: dict | None = None,
+              reference: str = "kv_events") -> dict:
+    """`run` once per seed (its trace and its router's tie-breaks): {"seeds", "per_seed": [run's
+    report], "summary": {policy: {metric: interval}}, "paired": {policy: {metric: interval of
+    policy - reference}}, "config": the first seed's config}."""
+    if not seeds:
+        raise ValueError("give at least one seed")
+    bar = _seeds_progress(len(seeds) * len(policies), progress)
+    per_seed = []
+    try:
+        for seed in seeds:
+            bar.set_description(f"seed {seed}")
+            per_seed.append(run(workload, policies, dataclasses.replace(config, seed=seed), num_requests,
+                                load=load, rate=rate, workload_options=workload_options,
+                                after_each=lambda _name: bar.update(1)))
+    finally:
+        bar.close()
+    return {"seeds": list(seeds), "per_seed": per_seed,
+            "summary": summarize_seeds(per_seed, METRICS),
+            "paired": paired_differences(per_seed, METRICS, reference),
+            "config": per_seed[0]["config"]}
+
+
+def _seeds_progress(total: int, enabled: bool):
+    from tqdm import tqdm
+    # disable=None: no bar when stderr is not a terminal
+    return tqdm(total=total, unit="run", file=sys.stderr, leave=False, disable=None if enabled else True)
 
 
 def _config_dict(workload: Workload, config: SimConfig, capacity: float, load, rate) -> dict:
