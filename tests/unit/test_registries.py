@@ -165,8 +165,8 @@ def test_a_config_without_architectures_is_looked_up_by_model_type():
 
 
 def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
-    AutoConfig.for_model("mistral", architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
+    AutoConfig.for_model("gpt2", architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the lookup fails first
-    with pytest.raises(ValueError, match=r"architecture \['MistralForCausalLM'\] is not supported; "
+    with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] is not supported; "
                                          r"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(str(tmp_path), device="cpu")
