@@ -14,9 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
-
-ROUTING_POLICIES = ("kv_events", "round_robin", "least_loaded", "power_of_two", "session",
-                    "prefix_approx")
+from kvmesh.router.policies import POLICY_NAMES as ROUTING_POLICIES
 AUTOSCALING_POLICIES = ("ongoing_requests", "kv_pressure", "ttft_slo")
 
 

@@ -1,5 +1,6 @@
-"""Build a model from a --model value: architecture from its config, weights from safetensors
-(or random for presets), tokenizer and EOS ids."""
+"""Build a model from a --model value: its class from the model registry (kvmesh.worker.models) by the
+architecture its config names, weights from safetensors (or random for presets), tokenizer and EOS
+ids."""
 
 import json
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch
 from kvmesh.worker.loader import (iter_safetensors, load_hf_config, load_tokenizer_for,
                                   resolve_model)
 from kvmesh.worker.model_config import ModelConfig
+from kvmesh.worker.models import model_class_for
 from kvmesh.worker.models.decoder import DecoderForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,10 +41,11 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int 
                 progress: bool = False) -> LoadedModel:
     source = resolve_model(model)
     hf_config = load_hf_config(source)
-    config = ModelConfig.from_hf(hf_config, source.name)
+    arch, model_class = model_class_for(hf_config, source.name)
+    config = model_class.config_from_hf(hf_config, source.name, arch)
     tokenizer = load_tokenizer_for(source)
     with torch.device(device):
-        net = DecoderForCausalLM(config, config.max_position_embeddings)
+        net = model_class(config, config.max_position_embeddings)
     if source.preset is not None:
         init_random_weights(net, seed)
     else:

@@ -2,17 +2,10 @@
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # its key in the model registry (kvmesh.worker.models.MODELS), e.g. "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,15 +22,9 @@ class ModelConfig:
     hf_config: object = field(default=None, compare=False, repr=False)  # for RoPE parameters
 
     @classmethod
-    def from_hf(cls, hf_config, name: str) -> "ModelConfig":
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(hf_config.model_type)
-        if arch is None:
-            raise ValueError(
-                f"model {name!r}: architecture {archs or hf_config.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    def from_hf(cls, hf_config, name: str, arch: str) -> "ModelConfig":
+        """The fields every decoder reads; an architecture's adapter (its model class's
+        `config_from_hf`) sets its own switches on top."""
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = hf_config.eos_token_id
@@ -55,8 +42,8 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=False,
             eos_token_ids=eos_ids,
             hf_config=hf_config,
         )

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvmesh.worker.attention import select_backend
+from kvmesh.worker.attention.registry import uses_cuda_graphs
 from kvmesh.worker.attention.base import AttentionMetadata, ForwardContext, forward_context
 from kvmesh.worker.compile import compile_layers
 from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
@@ -28,7 +29,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
-        backend_cls = select_backend(attention_backend, device, block_size)
+        backend_cls = select_backend(attention_backend, device, block_size, model_config.head_dim, dtype)
         self.backend = backend_cls(
             num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim, block_size=block_size,
@@ -42,7 +43,7 @@ class ModelRunner:
             compile_layers(self.model)
         # --- CUDA graphs for decode (worker/cuda_graphs.py) ---
         self.graph_runner = None
-        if device.type == "cuda" and not enforce_eager and self.backend.name != "torch":
+        if uses_cuda_graphs(self.backend.name, device.type, enforce_eager):
             self.graph_runner = DecodeCudaGraphs(self.model, self.backend, self.kv_caches, max_num_seqs,
                                                  self.max_blocks_per_seq, max_model_len, device)
             self.graph_runner.capture()

@@ -7,12 +7,13 @@ import statistics
 import time
 
 from kvmesh.bench.offline import DEFAULT_MODEL
+from kvmesh.config import ATTENTION_BACKENDS
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
     p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "triton", "flashinfer", "flash_attn"])
+                   choices=ATTENTION_BACKENDS)
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")

@@ -9,6 +9,8 @@ import json
 import sys
 import time
 
+from kvmesh.config import ATTENTION_BACKENDS
+
 DEFAULT_MODEL = "random:qwen3-0.6b"
 
 
@@ -19,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-output-len", type=int, default=1024, help="max_tokens drawn in [min-len, this]")
     p.add_argument("--min-len", type=int, default=100, help="lower bound of both draws (default 100)")
     p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "triton", "flashinfer", "flash_attn"])
+                   choices=ATTENTION_BACKENDS)
     p.add_argument("--peer", action="append", default=[], choices=["nano-vllm", "transformers"],
                    help="also run this engine on the same workload in the same run (repeatable)")
     p.add_argument("--peer-num-prompts", type=int, default=None,

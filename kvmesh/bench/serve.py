@@ -416,8 +416,9 @@ def run(args) -> int:
 
     if args.launch:
         from kvmesh.cluster.local import LocalCluster
+        from kvmesh.router.policies import parse_policy_names
 
-        for policy in args.policies.split(","):
+        for policy in parse_policy_names(args.policies):
             launch = shlex.split(args.launch) + ["--policy", policy]
             if args.direct_http_port:
                 launch += ["--direct-http-port", str(args.direct_http_port)]

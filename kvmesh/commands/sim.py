@@ -5,8 +5,6 @@ import ast
 import json
 import sys
 
-POLICY_CHOICES = ("round_robin", "least_loaded", "power_of_two", "session", "prefix_approx",
-                  "kv_events", "all")
 WORKLOAD_CHOICES = ("tenants", "multiturn", "prefix_repetition", "random")
 
 
@@ -17,7 +15,8 @@ def register(subparsers) -> None:
                     "the real kvmesh router. See docs/ROUTING.md.")
     p.add_argument("--workers", type=int, default=16, help="number of workers (default 16)")
     p.add_argument("--policy", default="kv_events",
-                   help=f"one of {', '.join(POLICY_CHOICES)}, or a comma-separated list (default kv_events)")
+                   help="a routing policy (kvmesh.router.policies.POLICIES), a comma-separated list of them, "
+                        "or all (default kv_events)")
     p.add_argument("--workload", default="tenants", choices=WORKLOAD_CHOICES, help="default tenants")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--load", type=float, default=None,
@@ -73,7 +72,8 @@ def parse_workload_options(pairs: list[str]) -> dict:
 def _run(args: argparse.Namespace) -> int:
     from kvmesh.router.sim.cluster import SimConfig
     from kvmesh.router.sim.report import format_table, plot_ttft
-    from kvmesh.router.sim.run import resolve_policies, run
+    from kvmesh.router.policies import parse_policy_names
+    from kvmesh.router.sim.run import run
     from kvmesh.router.sim.stats import parse_seeds
 
     if args.workers < 1:
@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
     load = args.load if args.load is not None or args.rate is not None else 0.7
-    policies = resolve_policies(args.policy)
+    policies = parse_policy_names(args.policy)
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                        max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed,
                        router_copies=args.router_copies, report_interval_s=args.report_interval_s,

@@ -1,7 +1,10 @@
-"""Routing policies, one per file; `make_policy(name, ...)` builds one.
+"""The routing-policy registry: one line per policy in `POLICIES`, one file per policy.
 
-Common arguments (`index`, `block_size`, `seed`) are passed to the policies that take them; any other
-keyword must be one the policy declares.
+`POLICIES` maps each name to its class ("module:Class", imported on first use). Every other list of
+policy names (the serving config, `kvmesh sim`, `kvmesh bench serve`) is taken from it; the Helm
+schema's enum is checked against it (tests/unit/test_registries.py). A policy's options and their
+defaults are its constructor's keywords (`policy_defaults`); `index`, `block_size` and `seed` are
+common arguments that `make_policy` passes to the policies that take them.
 """
 
 import importlib
@@ -29,6 +32,26 @@ def policy_class(name: str) -> type[Policy]:
     return getattr(importlib.import_module(module), cls)
 
 
+def policy_defaults(name: str) -> dict:
+    """The options a policy takes beyond the common arguments, with their defaults."""
+    params = inspect.signature(policy_class(name).__init__).parameters
+    return {k: p.default for k, p in params.items()
+            if k != "self" and k not in _COMMON and p.default is not inspect.Parameter.empty}
+
+
+def parse_policy_names(text: str) -> list[str]:
+    """A comma-separated list of policy names, or `all` (every policy, in registry order)."""
+    if text == "all":
+        return list(POLICY_NAMES)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for name in names:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)} or all")
+    if not names:
+        raise ValueError(f"no policy named; choose one of {', '.join(POLICY_NAMES)} or all")
+    return names
+
+
 def make_policy(name: str, *, index=None, block_size: int = 16, seed: int | None = None,
                 **kwargs) -> Policy:
     cls = policy_class(name)
@@ -44,4 +67,4 @@ def make_policy(name: str, *, index=None, block_size: int = 16, seed: int | None
 
 
 __all__ = ["POLICIES", "POLICY_NAMES", "DEFAULT_POLICY", "Policy", "RouteRequest", "make_policy",
-           "policy_class"]
+           "parse_policy_names", "policy_class", "policy_defaults"]

@@ -5,22 +5,11 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from kvmesh.router.policies import POLICY_NAMES
 from kvmesh.router.sim.capacity import capacity_req_s
 from kvmesh.router.sim.cluster import SimConfig, simulate
 from kvmesh.router.sim.metrics import METRICS, oracle_hit_rate, summarize
 from kvmesh.router.sim.stats import paired_differences, summarize_seeds
 from kvmesh.router.sim.workloads import Workload, assign_arrivals, make_workload
-
-
-def resolve_policies(policy: str) -> list[str]:
-    if policy == "all":
-        return list(POLICY_NAMES)
-    names = [p.strip() for p in policy.split(",") if p.strip()]
-    for name in names:
-        if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)} or all")
-    return names
 
 
 def run(workload: str | Workload, policies: list[str], config: SimConfig, num_requests: int = 5000,

@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 from kvmesh.hashing import block_hashes
+from kvmesh.router.policies import parse_policy_names
 from kvmesh.router.sim.calibration import CostModel, Hardware
 from kvmesh.router.sim.cluster import SimConfig, simulate
 from kvmesh.router.sim.run import run
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     speed, default_makespan = calibrate(args.measured_seconds)
     cost = scaled_cost(speed)
-    rows = scaling_table(cost, args.workloads.split(","), args.policies.split(","),
+    rows = scaling_table(cost, args.workloads.split(","), parse_policy_names(args.policies),
                          [int(x) for x in args.sizes.split(",")], args.requests_per_worker,
                          args.load, args.saturation_load, args.seed, progress=not args.json)
     out = {"calibration": {"measured_seconds": args.measured_seconds, "speed_factor": speed,

@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 
+from kvmesh.router.policies import parse_policy_names
 from kvmesh.router.sim.cluster import SimConfig
-from kvmesh.router.sim.run import resolve_policies, run
+from kvmesh.router.sim.run import run
 from kvmesh.router.sim.workloads import make_workload
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
-    result = sweep(args.workload, resolve_policies(args.policies), loads,
+    result = sweep(args.workload, parse_policy_names(args.policies), loads,
                    SimConfig(num_workers=args.workers, seed=args.seed), args.requests)
     if args.plot:
         plot(result, args.plot)

@@ -16,7 +16,7 @@ import shlex
 import pytest
 
 from kvmesh.cli import build_parser
-from kvmesh.router.sim.run import resolve_policies
+from kvmesh.router.policies import parse_policy_names
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ("docs/PERF.md", "docs/ROUTING.md")
@@ -108,7 +108,7 @@ def test_doc_command_exists(doc, command):
     assert not unknown, f"{doc}: `{' '.join(command)}` abbreviates or misspells {unknown}"
     for names in (getattr(args, "policy", None), getattr(args, "policies", None)):
         if names:
-            resolve_policies(names)  # raises ValueError naming an unknown policy
+            parse_policy_names(names)  # raises ValueError naming an unknown policy
 
 
 def test_a_missing_flag_or_subcommand_is_caught():
@@ -123,7 +123,7 @@ def test_a_missing_flag_or_subcommand_is_caught():
         assert exit_.value.code == 2
     assert "--kv-blocks" in FLAGS and "--kv-block" not in FLAGS  # a prefix argparse would accept
     with pytest.raises(ValueError, match="no_such_policy"):
-        resolve_policies("kv_events,no_such_policy")
+        parse_policy_names("kv_events,no_such_policy")
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kvmesh.cli import main
+from kvmesh.router.policies import POLICY_NAMES
 
 SMALL = ["--workers", "2", "--requests", "40", "--kv-blocks", "300", "--no-progress",
          "--workload-opt", "num_tenants=3", "--workload-opt", "system_tokens=128",
@@ -14,8 +15,7 @@ SMALL = ["--workers", "2", "--requests", "40", "--kv-blocks", "300", "--no-progr
 def test_json_has_every_policy_and_the_config(capsys):
     assert main(["sim", "--policy", "all", "--json", "--load", "0.5", *SMALL]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert list(report["policies"]) == ["round_robin", "least_loaded", "power_of_two", "session",
-                                        "prefix_approx", "kv_events"]
+    assert list(report["policies"]) == list(POLICY_NAMES)
     assert report["config"]["workers"] == 2 and report["config"]["requests"] == 40
     assert report["policies"]["kv_events"]["requests"] == 40
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.worker.attention.registry import check_supported, dtype_name
+
 
 @dataclass
 class AttentionMetadata:
@@ -42,12 +44,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """One object per model runner; `plan` runs once per step, `forward` once per layer."""
+    """One object per model runner; `plan` runs once per step, `forward` once per layer.
+
+    `name` is the backend's key in the registry (registry.BACKENDS), whose limits it is checked
+    against when built."""
 
     name: str = "abstract"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  scale: float, device: torch.device, dtype: torch.dtype):
+        check_supported(self.name, block_size, head_dim, dtype_name(dtype))
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

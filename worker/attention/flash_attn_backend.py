@@ -3,14 +3,13 @@
 Prompt chunks go through `flash_attn_varlen_func` with `block_table` (the cached prefix is read from
 the pool; cu_seqlens_k counts whole contexts), decodes through `flash_attn_with_kvcache` with
 `cache_seqlens`. The step's K/V is stored first by kvmesh's store_kvcache, so both calls only read.
-flash-attn's paged mode needs a block size that is a multiple of 256.
+flash-attn's paged mode needs a block size that is a multiple of 256 (registry.BACKENDS, checked
+when the backend is built).
 """
 
 import torch
 
 from .base import AttentionBackend, AttentionMetadata
-
-FLASH_ATTN_PAGE_MULTIPLE = 256
 
 
 class FlashAttnAttentionBackend(AttentionBackend):
@@ -18,11 +17,6 @@ class FlashAttnAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
-        if block_size % FLASH_ATTN_PAGE_MULTIPLE:
-            raise ValueError(
-                f"the flash_attn backend needs block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE} "
-                f"(flash-attn's paged KV cache), got {block_size}: set block_size=256 or choose "
-                "attention_backend='flashinfer' or 'triton'")
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional dependency
 
         self._varlen = flash_attn_varlen_func
@@ -79,6 +73,3 @@ def _store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping):
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
 
-
-FlashAttnAttentionBackend.supports_block_size = staticmethod(lambda block_size: block_size % FLASH_ATTN_PAGE_MULTIPLE == 0)
-FlashAttnBackend = FlashAttnAttentionBackend  # the name the backend registry uses

@@ -14,8 +14,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
-        if head_dim & (head_dim - 1):
-            raise ValueError(f"the triton backend needs a power-of-two head_dim, got {head_dim}")
         # imported here so that CPU-only installs (no triton) can still import the backend registry
         from kvmesh.kernels.paged_decode import choose_num_splits, paged_decode
         from kvmesh.kernels.paged_prefill import paged_prefill

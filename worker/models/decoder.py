@@ -1,6 +1,5 @@
-"""The decoder of the Llama family, Qwen2 and Qwen3: one implementation, three switches.
-
-Llama: no biases; Qwen2: q/k/v biases; Qwen3: per-head RMSNorm on q and k before RoPE. Parameter
+"""The decoder of the Llama family (this class as is), and through two switches of ModelConfig, of
+Qwen2 (q/k/v biases, qwen2.py) and Qwen3 (per-head RMSNorm on q and k before RoPE, qwen3.py). Parameter
 names follow Hugging Face's except the fused projections (qkv_proj, gate_up_proj), which the
 loader packs from q/k/v_proj and gate/up_proj.
 """
@@ -117,6 +116,12 @@ class DecoderForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    @classmethod
+    def config_from_hf(cls, hf_config, name: str, arch: str) -> ModelConfig:
+        """This architecture's config adapter: the engine's ModelConfig from a Hugging Face config
+        (subclasses set their switches)."""
+        return ModelConfig.from_hf(hf_config, name, arch)
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()

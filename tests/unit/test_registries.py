@@ -1,0 +1,172 @@
+"""The three registries (routing policies, attention backends, model architectures): every other list
+of names agrees with them, capabilities drive `auto` and CUDA graphs, unknown names are clear errors."""
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from kvmesh import LLM
+from kvmesh.cli import main
+from kvmesh.config import ATTENTION_BACKENDS
+from kvmesh.router import policies
+from kvmesh.router.policies import DEFAULT_POLICY, POLICY_NAMES, policy_defaults
+from kvmesh.serve_config import EngineSection, RoutingSection
+from kvmesh.worker.attention import base, load_backend_class, registry, select_backend
+from kvmesh.worker.attention.registry import BACKENDS, choose_backend, uses_cuda_graphs
+from kvmesh.worker.models import MODELS, model_class_for
+from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.presets import PRESETS, hf_config_for
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((REPO / "helm/kvmesh/values.schema.json").read_text())["properties"]["kvmesh"]["properties"]
+SIM_SMALL = ["--workers", "2", "--requests", "20", "--kv-blocks", "300", "--no-progress", "--json",
+             "--workload-opt", "num_tenants=2", "--workload-opt", "system_tokens=64",
+             "--workload-opt", "suffix_tokens=(16,32)", "--workload-opt", "output_tokens=(4,8)"]
+
+
+def literal_values(model, field: str) -> set:
+    return set(typing.get_args(model.model_fields[field].annotation))
+
+
+# ---- routing policies --------------------------------------------------------------------------
+
+def test_serve_config_and_helm_schema_name_exactly_the_registered_policies():
+    assert literal_values(RoutingSection, "policy") == set(POLICY_NAMES)
+    assert set(SCHEMA["routing"]["properties"]["policy"]["enum"]) == set(POLICY_NAMES)
+    assert RoutingSection().policy == DEFAULT_POLICY
+    description = RoutingSection.model_fields["policy"].description
+    assert all(name in description for name in POLICY_NAMES)
+
+
+def test_sim_cli_takes_policy_names_from_the_registry(monkeypatch, capsys):
+    monkeypatch.setitem(policies.POLICIES, "scratch_rr", policies.POLICIES["round_robin"])
+    assert main(["sim", "--policy", "scratch_rr,kv_events", "--load", "0.5", *SIM_SMALL]) == 0
+    assert list(json.loads(capsys.readouterr().out)["policies"]) == ["scratch_rr", "kv_events"]
+
+
+def test_bench_serve_rejects_an_unknown_policy_before_launching_anything(capsys):
+    assert main(["bench", "serve", "--launch=--device cpu", "--policies", "kv_events,nope",
+                 "--rate", "1"]) == 2
+    assert "unknown policy 'nope'; choose one of round_robin," in capsys.readouterr().err
+
+
+def test_policy_defaults_are_the_constructor_options():
+    assert policy_defaults("session") == {"virtual_nodes": 64}
+    assert policy_defaults("round_robin") == {}
+    kv_events = policy_defaults("kv_events")
+    assert kv_events["temperature"] == 0.0 and "index" not in kv_events and "seed" not in kv_events
+
+
+# ---- attention backends ------------------------------------------------------------------------
+
+def installed_everywhere(monkeypatch):
+    """The registry as on a GPU machine with every backend's library installed."""
+    monkeypatch.setattr(registry, "BACKENDS",
+                        {n: dataclasses.replace(s, library=None) for n, s in BACKENDS.items()})
+
+
+def test_engine_config_helm_schema_and_benches_name_exactly_the_registered_backends():
+    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+    assert literal_values(EngineSection, "attention_backend") == {"auto", *BACKENDS}
+    assert set(SCHEMA["engine"]["properties"]["attention_backend"]["enum"]) == {"auto", *BACKENDS}
+    for name in BACKENDS:  # each line names a class that knows its key (the check in base reads it)
+        cls = load_backend_class(name)
+        assert issubclass(cls, base.AttentionBackend) and cls.name == name
+
+
+@pytest.mark.parametrize("block_size,head_dim,dtype,expected", [
+    (16, 128, "bfloat16", "flashinfer"),
+    (256, 96, "bfloat16", "flash_attn"),  # flashinfer: no head_dim 96
+    (16, 96, "bfloat16", "torch"),  # flash_attn needs pages of 256; triton a power-of-two head_dim
+    (16, 128, "float32", "triton"),  # flashinfer and flash_attn take half precision only
+])
+def test_auto_takes_the_first_backend_whose_capabilities_fit(monkeypatch, block_size, head_dim, dtype, expected):
+    installed_everywhere(monkeypatch)
+    assert choose_backend("auto", "cuda", block_size, head_dim, dtype) == expected
+    assert choose_backend("auto", "cpu", block_size, head_dim, dtype) == "torch"
+
+
+def test_auto_skips_backends_whose_library_is_not_installed():
+    # none of flashinfer, flash-attn or triton installs on this CPU machine
+    assert choose_backend("auto", "cuda", 16, 128, "bfloat16") == "torch"
+
+
+def test_cuda_graphs_follow_the_backend_capability(monkeypatch):
+    assert uses_cuda_graphs("triton", "cuda", enforce_eager=False)
+    assert not uses_cuda_graphs("torch", "cuda", enforce_eager=False)
+    assert not uses_cuda_graphs("triton", "cuda", enforce_eager=True)
+    assert not uses_cuda_graphs("triton", "cpu", enforce_eager=False)
+    monkeypatch.setitem(registry.BACKENDS, "torch", dataclasses.replace(BACKENDS["torch"], cuda_graphs=True))
+    assert uses_cuda_graphs("torch", "cuda", enforce_eager=False)
+
+
+def test_an_unsupported_combination_names_the_field_and_the_limit(monkeypatch):
+    installed_everywhere(monkeypatch)
+    with pytest.raises(ValueError, match=r"attention_backend 'flash_attn' needs block_size \(engine\.block_size "
+                                         r"in a serve config\) to be a multiple of 256, got 16; change it or "
+                                         r"choose attention_backend flashinfer or triton or torch"):
+        select_backend("flash_attn", torch.device("cuda"), 16, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"needs the model's head_dim to be one of 64, 128, 256, got 96"):
+        choose_backend("flashinfer", "cuda", 16, 96, "bfloat16")
+    with pytest.raises(ValueError, match=r"needs dtype \(engine\.dtype in a serve config\) to be one of "
+                                         r"bfloat16, float16, got float32"):
+        choose_backend("flashinfer", "cuda", 16, 128, "float32")
+
+
+def test_a_backend_built_directly_is_checked_against_its_registry_line():
+    triton_cls = load_backend_class("triton")  # the check runs before the class imports triton
+    with pytest.raises(ValueError, match="needs the model's head_dim to be one of 16, 32, 64, 128, 256, got 96"):
+        triton_cls(8, 2, 96, 16, 0.1, torch.device("cpu"), torch.bfloat16)
+
+
+def test_unknown_missing_or_gpu_only_backends_are_clear_errors():
+    with pytest.raises(ValueError, match=f"attention_backend must be one of auto, {', '.join(BACKENDS)}; "
+                                         "got 'nope'"):
+        choose_backend("nope", "cpu", 16, 64, "float32")
+    with pytest.raises(ValueError, match="attention_backend 'flashinfer' is not available here: the "
+                                         "'flashinfer' package is not installed"):
+        choose_backend("flashinfer", "cuda", 16, 128, "bfloat16")
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
+        LLM("random:tiny-llama", device="cpu", attention_backend="triton")
+
+
+# ---- model architectures -----------------------------------------------------------------------
+
+def test_every_preset_builds_the_class_its_architecture_is_registered_with():
+    for preset in PRESETS:
+        hf_config = hf_config_for(preset)
+        arch, cls = model_class_for(hf_config, preset)
+        assert arch == hf_config.architectures[0] and issubclass(cls, DecoderForCausalLM)
+        assert MODELS[arch].target.endswith(f":{cls.__name__}")
+    llm = LLM("random:tiny-qwen3", device="cpu")
+    assert type(llm.engine.model).__name__ == "Qwen3ForCausalLM"
+
+
+def test_each_architecture_adapter_sets_its_switches():
+    configs = {p: hf_config_for(p) for p in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}
+    switches = {}
+    for preset, hf_config in configs.items():
+        arch, cls = model_class_for(hf_config, preset)
+        config = cls.config_from_hf(hf_config, preset, arch)
+        switches[arch] = (config.qkv_bias, config.qk_norm)
+    assert switches == {"LlamaForCausalLM": (False, False), "Qwen2ForCausalLM": (True, False),
+                        "Qwen3ForCausalLM": (False, True)}
+
+
+def test_a_config_without_architectures_is_looked_up_by_model_type():
+    hf_config = hf_config_for("tiny-qwen2")
+    hf_config.architectures = None
+    assert model_class_for(hf_config, "x")[0] == "Qwen2ForCausalLM"
+
+
+def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
+    AutoConfig.for_model("gpt2", architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the lookup fails first
+    with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] is not supported; "
+                                         r"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(tmp_path), device="cpu")
