@@ -101,14 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     results = report.pop("results", None)
     if args.plot:
         plot_ttft(results, report, args.plot)
-    if args.json:
-        json.dump(report, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(format_table(report))
-        if args.plot:
-            print(f"TTFT figure: {args.plot}")
-    return 0
+    return _emit(args, report, format_table, "TTFT figure")
 
 
 def _run_seeds(args: argparse.Namespace, policies: list[str], config, seeds: list[int], load,
@@ -123,11 +116,16 @@ def _run_seeds(args: argparse.Namespace, policies: list[str], config, seeds: lis
         raise ValueError(f"workload {args.workload}: {e}") from None
     if args.plot:
         plot_ttft_p99_intervals(report, args.plot)
+    return _emit(args, report, format_seeds_table, "TTFT p99 figure")
+
+
+def _emit(args: argparse.Namespace, report: dict, format_report, figure: str) -> int:
+    """The report as one JSON object (--json) or as a table, naming the figure written."""
     if args.json:
         json.dump(report, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(format_seeds_table(report))
+        print(format_report(report))
         if args.plot:
-            print(f"TTFT p99 figure: {args.plot}")
+            print(f"{figure}: {args.plot}")
     return 0
