@@ -5,15 +5,12 @@ Serve controller, proxies and replicas all run it).
 Ray Serve 2.60 has no settings for some of what a server must control (which address its internal
 servers bind, limits on what its proxies read); the modules in PATCHES each adjust one such thing
 and say why. Each is a module with an `apply()` that is safe to call once per process and reads
-its settings from the environment the launcher set (the KVMESH_* variables below).
+its settings from the environment the launcher set (cluster/launcher.py `listener_env`).
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
-
-logger = logging.getLogger("kvmesh.cluster")
 
 HOOK = "kvmesh.cluster.ray_patches.setup_worker"
 
