@@ -84,8 +84,10 @@ def _converted_default() -> Path:
 def _converted_gguf(folder: Path, filename: str, name: str | None = None) -> Path:
     """Dequantize a GGUF file once into a safetensors directory under the cache."""
     src = folder / filename
-    stat = src.stat()
-    key = hashlib.sha256(f"{src.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    # Keyed by content, not path or mtime: an image layer keeps the file but rounds its mtime, and a
+    # conversion made at image build time must be found again in every pod (hashing ~100 MB: ~0.1 s).
+    with open(src, "rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
     target = cache_dir() / "models" / f"{name or src.stem}-{key}"
     if (target / "config.json").is_file():
         return target

@@ -91,3 +91,20 @@ def test_kvmesh_fetch_prints_the_directory_to_serve(hub, tmp_path, capsys):
     assert Path(report["path"]).is_relative_to(tmp_path / "hf-home")
     assert main(["fetch", "acme/nothing"]) == 2
     assert "kvmesh fetch: error: model: acme/nothing was not found on the hub" in capsys.readouterr().err
+
+
+def test_a_converted_gguf_is_found_again_after_its_file_is_copied_or_touched(tmp_path):
+    """The conversion is keyed by the file's content: an image layer (or a copy to another node's
+    disk) keeps the bytes but not the path or the mtime, and must not convert again."""
+    import os
+    import shutil
+
+    from kvmesh.worker.loader import default_gguf_path
+
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for copy in (first, second):
+        copy.parent.mkdir()
+        shutil.copyfile(default_gguf_path(), copy)
+    converted = resolve_model(str(first)).path
+    os.utime(second, (1_000_000, 1_000_000))
+    assert resolve_model(str(second)).path == converted
