@@ -12,6 +12,7 @@ REGISTRARS = [
     "kvmesh.commands.serve",  # kvmesh serve, kvmesh client, kvmesh status
     "kvmesh.commands.bench",  # kvmesh bench offline, kvmesh bench latency, kvmesh bench serve
     "kvmesh.commands.sim",  # kvmesh sim
+    "kvmesh.commands.fetch",  # kvmesh fetch
 ]
 
 

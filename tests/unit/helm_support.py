@@ -22,16 +22,16 @@ helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk is not installed (pip install -e '.[deploy]')")
 
 
-def render(values: dict | None = None) -> dict[str, str]:
-    """Template path -> rendered text, as `helm template demo helm/kvmesh -n llm` gives it."""
+def render(values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
+    """Template path -> rendered text, as `helm template RELEASE helm/kvmesh -n llm` gives it."""
     with helm.Chart.load(CHART) as chart:
-        return chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        return chart.render(values=values, name=release, namespace=NAMESPACE, is_install=True)
 
 
-def manifests(values: dict | None = None) -> list[dict]:
+def manifests(values: dict | None = None, release: str = RELEASE) -> list[dict]:
     """Every Kubernetes object the chart renders (NOTES.txt and empty templates left out)."""
     objects = []
-    for path, text in sorted(render(values).items()):
+    for path, text in sorted(render(values, release).items()):
         if path.endswith("NOTES.txt"):
             continue
         objects += [doc for doc in yaml.safe_load_all(text) if doc]

@@ -52,6 +52,39 @@ VALUE_SETS = {
         "serviceAccountName": "kvmesh",
         "commonLabels": {"team": "inference"},
     },
+    # What a production install adds: a model from the hub on a shared cache volume, fetched before
+    # Ray starts, gated by a token; probes that wait for long model loads; scheduling knobs; PDBs;
+    # GCS fault tolerance on external Redis; an authenticated ServiceMonitor; an extra object.
+    "production": {
+        "kvmesh": {
+            "model": "Qwen/Qwen3-8B",
+            "replicas": {"num_replicas": 4, "num_gpus": 1},
+            "server": {"auth_metrics": True},
+        },
+        "worker": {"replicas": 2, "minReplicas": 2, "maxReplicas": 4, "gpusPerPod": 2,
+                   "startupProbe": {"exec": {"command": ["bash", "-c", "wget -qO- 127.0.0.1:52365/api/local_raylet_healthz"]},
+                                    "periodSeconds": 10, "failureThreshold": 120},
+                   "readinessProbe": {"exec": {"command": ["bash", "-c", "wget -qO- 127.0.0.1:52365/api/local_raylet_healthz"]},
+                                      "periodSeconds": 5, "timeoutSeconds": 2},
+                   "envFrom": [{"configMapRef": {"name": "kvmesh-extra-env"}}],
+                   "initContainers": [{"name": "nvidia-check", "image": "busybox:1.36", "command": ["true"]}],
+                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                                  "whenUnsatisfiable": "ScheduleAnyway",
+                                                  "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}}],
+                   "priorityClassName": "inference-high", "runtimeClassName": "nvidia",
+                   "podSecurityContext": {"fsGroup": 1000}},
+        "head": {"priorityClassName": "inference-high", "livenessProbe": {"tcpSocket": {"port": 6379}, "periodSeconds": 10}},
+        "modelCache": {"enabled": True, "size": "500Gi", "storageClassName": "filestore", "prefetch": True},
+        "huggingface": {"endpoint": "https://hub.example.internal", "tokenSecret": {"name": "hf-token"}},
+        "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis-master.llm.svc:6379",
+                              "redisPasswordSecret": {"name": "redis-password"}},
+        "podDisruptionBudget": {"enabled": True},
+        "apiKeysSecret": {"name": "kvmesh-api-keys"},
+        "metrics": {"serviceMonitor": {"enabled": True, "bearerTokenSecret": {"name": "kvmesh-prometheus-key"}}},
+        "extraObjects": [{"apiVersion": "v1", "kind": "ConfigMap",
+                          "metadata": {"name": "kvmesh-extra-env", "labels": {"release": "{{ .Release.Name }}"}},
+                          "data": {"NCCL_DEBUG": "WARN"}}],
+    },
 }
 
 # Values that must be refused, and a fragment of the message that must explain why.
@@ -81,6 +114,22 @@ BAD_VALUES = {
     "grpc-message-size-not-a-number": ({"serve": {"grpcMaxMessageBytes": "4MiB"}},
                                        "/serve/grpcMaxMessageBytes': got string, want integer"),
     "grpc-message-size-beyond-grpc": ({"serve": {"grpcMaxMessageBytes": 2**31}}, "/serve/grpcMaxMessageBytes': maximum"),
+    "gpu-replicas-beyond-the-groups": ({"kvmesh": {"replicas": {"num_replicas": 4}}},
+                                       "kvmesh.replicas.num_replicas (4) x kvmesh.replicas.num_gpus (1) needs 4 GPUs "
+                                       "but the worker groups have at most 1 (gpu: replicas 1 x gpusPerPod 1)"),
+    "autoscaled-replicas-beyond-the-groups": (
+        {"kvmesh": {"autoscaling": {"enabled": True, "max_replicas": 12}},
+         "additionalWorkerGroups": {"h200": {"replicas": 0, "minReplicas": 0, "maxReplicas": 2, "gpusPerPod": 0}}},
+        "kvmesh.autoscaling.max_replicas (12) x kvmesh.replicas.num_gpus (1) needs 12 GPUs but the worker groups have "
+        "at most 4 (gpu: maxReplicas 4 x gpusPerPod 1, h200: maxReplicas 2 x gpusPerPod 0)"),
+    "gcs-fault-tolerance-without-redis": ({"gcsFaultTolerance": {"enabled": True}},
+                                          "gcsFaultTolerance.redisAddress is empty"),
+    "prefetch-without-cache": ({"modelCache": {"prefetch": True}}, "modelCache.prefetch is true but modelCache.enabled is false"),
+    "metrics-auth-without-a-key": ({"kvmesh": {"server": {"auth_metrics": True}},
+                                    "metrics": {"serviceMonitor": {"enabled": True}}},
+                                   "kvmesh.server.auth_metrics is true but Prometheus has no key to send"),
+    "fullname-not-a-dns-1035-label": ({"fullnameOverride": "1-llm"}, "/fullnameOverride': '1-llm' does not match pattern"),
+    "fullname-too-long-for-kuberay": ({"fullnameOverride": "a" * 48}, "/fullnameOverride': maxLength"),
     "duplicate-group-name": ({"additionalWorkerGroups": {"gpu": {"replicas": 0, "minReplicas": 0, "maxReplicas": 1}}},
                              "additionalWorkerGroups.gpu has the name of another worker group"),
 }

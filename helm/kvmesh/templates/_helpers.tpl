@@ -4,20 +4,26 @@
 {{- end }}
 
 {{/*
-Resource name prefix. RayService names become RayCluster and pod name prefixes with suffixes
-appended by KubeRay, so keep it short (50 characters).
+Resource name prefix, also the RayService's name. KubeRay accepts a RayService name only as a
+DNS-1035 label of at most 47 characters (it appends a 6-character suffix for the RayCluster, whose
+Services add up to 10 more), so dots become dashes, the name is prefixed with "kvmesh-" when it
+would not start with a letter (a release named "1st") and cut to 47 characters.
 */}}
 {{- define "kvmesh.fullname" -}}
-{{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
-{{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
-{{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- $full := "" }}
+{{- if .Values.fullnameOverride }}
+{{- $full = .Values.fullnameOverride }}
+{{- else if contains $name .Release.Name }}
+{{- $full = .Release.Name }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- $full = printf "%s-%s" .Release.Name $name }}
 {{- end }}
+{{- $full = $full | replace "." "-" }}
+{{- if not (regexMatch "^[a-z]" $full) }}
+{{- $full = printf "kvmesh-%s" $full }}
 {{- end }}
+{{- regexReplaceAll "-+$" ($full | trunc 47) "" }}
 {{- end }}
 
 {{- define "kvmesh.chart" -}}
@@ -60,7 +66,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{- define "kvmesh.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cu128" .Chart.AppVersion) .Values.image.tag) }}
 {{- end }}
 
 {{/*
@@ -142,13 +148,6 @@ One worker group spec. Called with a dict: root (the chart context), name, group
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
-      {{- with $root.Values.serviceAccountName }}
-      serviceAccountName: {{ . }}
-      {{- end }}
-      {{- with $root.Values.imagePullSecrets }}
-      imagePullSecrets:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
       containers:
         - name: ray-worker
           image: {{ include "kvmesh.image" $root }}
@@ -170,43 +169,17 @@ One worker group spec. Called with a dict: root (the chart context), name, group
               {{- if $group.gpusPerPod }}
               nvidia.com/gpu: {{ $group.gpusPerPod }}
               {{- end }}
-          env:
-            {{- include "kvmesh.rayEnv" $root | nindent 12 }}
-            {{- with $group.env }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
-          {{- with $group.volumeMounts }}
-          volumeMounts:
-            {{- toYaml . | nindent 12 }}
-          {{- end }}
-          {{- with $group.securityContext }}
-          securityContext:
-            {{- toYaml . | nindent 12 }}
-          {{- end }}
-      {{- with $group.volumes }}
-      volumes:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $group.nodeSelector }}
-      nodeSelector:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $group.tolerations }}
-      tolerations:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $group.affinity }}
-      affinity:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
+          {{- include "kvmesh.containerExtras" (dict "root" $root "group" $group) | nindent 10 }}
+      {{- include "kvmesh.podExtras" (dict "root" $root "group" $group "prefetch" true) | nindent 6 }}
 {{- end }}
 
 {{/*
 Environment of every Ray container (head and each worker group): Ray's token authentication,
-Serve's options (a proxy or replica may run on any pod), and KVMESH_API_KEYS from apiKeysSecret.
+where models come from, Serve's options (a proxy or replica may run on any pod), and KVMESH_API_KEYS from apiKeysSecret.
 */}}
 {{- define "kvmesh.rayEnv" -}}
 {{- include "kvmesh.rayAuthEnv" . }}
+{{- include "kvmesh.modelEnv" . }}
 {{- include "kvmesh.serveEnv" . }}
 {{- include "kvmesh.apiKeysEnv" . }}
 {{- end }}
@@ -246,4 +219,132 @@ container lacks), so the rendered pods say it and a named Secret reaches them wh
       name: {{ . }}
       key: {{ $.Values.apiKeysSecret.key }}
 {{- end }}
+{{- end }}
+
+{{/*
+Pod-level settings of every Ray pod (the head and each worker group), from the chart's global
+values and the group's own. Called with a dict: root (the chart context), group (its values),
+prefetch (whether this pod fetches the model in an init container when modelCache.prefetch is on).
+*/}}
+{{- define "kvmesh.podExtras" -}}
+{{- $root := .root }}
+{{- $group := .group }}
+{{- with $root.Values.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $init := list }}
+{{- if and .prefetch $root.Values.modelCache.enabled $root.Values.modelCache.prefetch }}
+{{- $init = append $init (include "kvmesh.prefetchContainer" $root | fromYaml) }}
+{{- end }}
+{{- with (concat $init ($group.initContainers | default list)) }}
+initContainers:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $volumes := list }}
+{{- if $root.Values.modelCache.enabled }}
+{{- $volumes = append $volumes (dict "name" "model-cache" "persistentVolumeClaim" (dict "claimName" (include "kvmesh.modelCacheClaim" $root))) }}
+{{- end }}
+{{- with (concat $volumes ($group.volumes | default list)) }}
+volumes:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- range $key := list "nodeSelector" "tolerations" "affinity" "topologySpreadConstraints" }}
+{{- with get $group $key }}
+{{ $key }}:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- range $key := list "priorityClassName" "runtimeClassName" "schedulerName" }}
+{{- with get $group $key }}
+{{ $key }}: {{ . }}
+{{- end }}
+{{- end }}
+{{- with $group.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Container settings of every Ray container beyond image and ports: the chart's environment, the
+model cache mount, and the group's envFrom, mounts, security context and probe overrides (a probe
+left empty keeps KubeRay's own). Called with a dict: root, group.
+*/}}
+{{- define "kvmesh.containerExtras" -}}
+{{- $root := .root }}
+{{- $group := .group }}
+env:
+  {{- include "kvmesh.rayEnv" $root | nindent 2 }}
+  {{- with $group.env }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $group.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with (concat (include "kvmesh.modelCacheMounts" $root | fromYamlArray) ($group.volumeMounts | default list)) }}
+volumeMounts:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- range $key := list "securityContext" "readinessProbe" "livenessProbe" "startupProbe" }}
+{{- with get $group $key }}
+{{ $key }}:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The model cache's volume mount (a list, empty when the cache is off). */}}
+{{- define "kvmesh.modelCacheMounts" -}}
+{{- if .Values.modelCache.enabled }}
+- name: model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+{{- else }}
+[]
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.modelCacheClaim" -}}
+{{- .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "kvmesh.fullname" .)) }}
+{{- end }}
+
+{{/*
+Where models come from: the Hugging Face hub's endpoint and token, and the model cache (hub
+downloads and the converted default model) on the cache volume when there is one.
+*/}}
+{{- define "kvmesh.modelEnv" -}}
+{{- if .Values.modelCache.enabled }}
+- name: HF_HOME
+  value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
+- name: KVMESH_CACHE
+  value: {{ printf "%s/kvmesh" .Values.modelCache.mountPath | quote }}
+{{- end }}
+{{- with .Values.huggingface.endpoint }}
+- name: HF_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.huggingface.tokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.huggingface.tokenSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/* The init container that fetches kvmesh.model into the model cache before Ray starts. */}}
+{{- define "kvmesh.prefetchContainer" -}}
+name: fetch-model
+image: {{ include "kvmesh.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+command: ["kvmesh", "fetch", {{ .Values.kvmesh.model | quote }}]
+env:
+  {{- include "kvmesh.modelEnv" . | nindent 2 }}
+volumeMounts:
+  - name: model-cache
+    mountPath: {{ .Values.modelCache.mountPath }}
 {{- end }}

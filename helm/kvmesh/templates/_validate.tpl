@@ -53,6 +53,42 @@ Checks across values that values.schema.json cannot express; each failure says w
 {{- if and (gt (float64 .Values.kvmesh.replicas.num_gpus) 0.0) (not (include "kvmesh.anyGpuGroup" .)) }}
 {{- fail "kvmesh.replicas.num_gpus > 0 but no worker group requests GPUs (gpusPerPod); worker replicas could never be placed" }}
 {{- end }}
+{{- include "kvmesh.validateGpuCapacity" (dict "root" . "groups" $groups) }}
+{{- $fault := .Values.gcsFaultTolerance }}
+{{- if and $fault.enabled (not $fault.redisAddress) }}
+{{- fail "gcsFaultTolerance.enabled is true but gcsFaultTolerance.redisAddress is empty: give the Redis address (host:port)" }}
+{{- end }}
+{{- if and .Values.modelCache.prefetch (not .Values.modelCache.enabled) }}
+{{- fail "modelCache.prefetch is true but modelCache.enabled is false: the model is fetched into the cache volume, so enable it" }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled $server.auth_metrics (not .Values.metrics.serviceMonitor.bearerTokenSecret.name) (not .Values.apiKeysSecret.name) }}
+{{- fail "kvmesh.server.auth_metrics is true but Prometheus has no key to send: set metrics.serviceMonitor.bearerTokenSecret.name (or apiKeysSecret.name, holding one key)" }}
+{{- end }}
+{{- end }}
+
+{{/*
+GPU replicas must fit the GPUs the worker groups can have: kvmesh.replicas.num_gpus times the
+replicas Serve may want (autoscaling.max_replicas, or num_replicas when autoscaling is off) against
+the sum of each group's pods (maxReplicas, or replicas when KubeRay's autoscaler is off) times
+gpusPerPod. Called with a dict: root, groups (name -> values of the enabled groups).
+*/}}
+{{- define "kvmesh.validateGpuCapacity" -}}
+{{- $values := .root.Values }}
+{{- $auto := $values.kvmesh.autoscaling.enabled }}
+{{- $replicas := ternary $values.kvmesh.autoscaling.max_replicas $values.kvmesh.replicas.num_replicas $auto }}
+{{- $replicasName := ternary "kvmesh.autoscaling.max_replicas" "kvmesh.replicas.num_replicas" $auto }}
+{{- $podsName := ternary "maxReplicas" "replicas" $auto }}
+{{- $need := mulf (float64 $values.kvmesh.replicas.num_gpus) (float64 $replicas) }}
+{{- $have := 0.0 }}
+{{- $parts := list }}
+{{- range $name, $group := .groups }}
+{{- $pods := ternary $group.maxReplicas $group.replicas $auto }}
+{{- $have = addf $have (mulf (float64 $pods) (float64 ($group.gpusPerPod | default 0))) }}
+{{- $parts = append $parts (printf "%s: %s %v x gpusPerPod %v" $name $podsName $pods ($group.gpusPerPod | default 0)) }}
+{{- end }}
+{{- if gt $need $have }}
+{{- fail (printf "%s (%v) x kvmesh.replicas.num_gpus (%v) needs %v GPUs but the worker groups have at most %v (%s); raise the groups' %s or gpusPerPod, or lower %s" $replicasName $replicas $values.kvmesh.replicas.num_gpus $need $have (join ", " $parts) $podsName $replicasName) }}
+{{- end }}
 {{- end }}
 
 {{- define "kvmesh.anyGpuGroup" -}}

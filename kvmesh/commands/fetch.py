@@ -1,0 +1,30 @@
+"""`kvmesh fetch MODEL`: put a model on this machine's disk before serving it (a hub id is
+downloaded into the hub's cache, the default model converted once), e.g. in a Kubernetes init
+container that fills a shared model volume before Ray starts."""
+
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "fetch", help="download or convert a model into the local cache, ready to serve",
+        description="Fetch MODEL into the local cache: a hub id (org/name[@revision]; HF_ENDPOINT, "
+                    "HF_TOKEN and HF_HOME apply), the default model (converted once), a .gguf file or "
+                    "a model directory (checked). Prints the directory the engine will load.")
+    p.add_argument("model", help="hub id, smollm2-135m-instruct, a .gguf file or a model directory")
+    p.add_argument("--json", action="store_true", help="print {model, name, path} as JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from kvmesh.worker.loader import load_hf_config, resolve_model
+
+    source = resolve_model(args.model)
+    if source.path is None:
+        raise ValueError(f"model: {args.model} is a random preset; there is nothing to fetch")
+    load_hf_config(source)  # a directory the engine could not read fails here, not in every replica
+    if args.json:
+        print(json.dumps({"model": args.model, "name": source.name, "path": str(source.path)}))
+    else:
+        print(source.path)
+    return 0
