@@ -21,6 +21,18 @@ from __future__ import annotations
 import grpc
 
 
+# id(gRPC context) -> its call's replica call, while the gRPC call runs (stream_idle_timeout.py
+# cancels the replica call of a stream whose client stopped reading).
+_REPLICA_CALLS: dict[int, object] = {}
+
+
+def cancel_replica_call(grpc_context) -> None:
+    """Cancel the replica call of a gRPC call that is still running (nothing if it has none)."""
+    response = _REPLICA_CALLS.get(id(grpc_context))
+    if response is not None:
+        response.cancel()
+
+
 class _CancelledWithTheCall:
     """A DeploymentHandle whose calls are cancelled when the client's gRPC call ends unfinished."""
 
@@ -33,8 +45,10 @@ class _CancelledWithTheCall:
 
     def remote(self, *args, **kwargs):
         response = self._handle.remote(*args, **kwargs)
+        _REPLICA_CALLS[id(self._grpc_context)] = response
 
         def on_done(context):
+            _REPLICA_CALLS.pop(id(context), None)
             if context.code() != grpc.StatusCode.OK:
                 response.cancel()
 
