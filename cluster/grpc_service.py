@@ -10,8 +10,12 @@ refused before any work, and Abort finds only the caller's own labels. The table
 flight is this ingress replica's own (with several ingress replicas, Abort reaches one of them;
 cancelling the Generate call always works).
 
-Cancellation: a client cancel or deadline reaches Generate as CancelledError; the worker call is
-then cancelled, which aborts the request in the engine.
+The rest (auth, limits, tokenizing, routing, failover, Abort, metrics) is the request pipeline
+HTTP uses too (pipeline.py); this module parses GenerateRequest into it and renders its deltas.
+
+Cancellation: a client cancel or deadline reaches Generate as CancelledError (serve_grpc_cancel.py
+makes sure of it); closing the stream then cancels the worker call, which aborts the request in
+the engine.
 """
 
 from __future__ import annotations

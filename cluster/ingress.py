@@ -2,8 +2,10 @@
 kvmesh.v1.Generation gRPC service (Serve's gRPC proxy calls the methods named like the RPCs).
 
 Each ingress replica holds a handle to the workers, so Serve gives it a copy of the KV-aware request
-router (request_router.py). Errors are OpenAI's error JSON with the right status; a client that
-disconnects cancels its stream, which aborts the request on the worker.
+router (request_router.py). The HTTP routes here and the gRPC methods (grpc_service.py) are adapters
+over one request pipeline (pipeline.py): they parse their wire request into its GenerationRequest
+and render what it returns. Errors are OpenAI's error JSON with the right status; a client that
+disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio

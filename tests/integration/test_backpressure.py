@@ -62,6 +62,16 @@ def idle(row: dict) -> bool:
     return row["running"] == 0 and row["waiting"] == 0 and row["kv_used"] == 0
 
 
+def assert_reset_before_the_end(sockets) -> None:
+    """Each connection was reset by the server, none after the stream's end ([DONE])."""
+    for s in sockets:
+        received = bytearray()
+        with pytest.raises(ConnectionResetError):
+            while data := s.recv(65536):
+                received += data
+        assert b"[DONE]" not in received
+
+
 def proxy_rss_mb(cluster) -> float:
     (proxy,) = ray_processes(cluster, "ProxyActor")
     return rss_mb([proxy])
@@ -83,12 +93,7 @@ def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster):
         aborted_after_s = time.monotonic() - opened
         generated = worker_row(cluster)["tokens_out"] - tokens_before
         assert generated < NUM_UNREAD * UNREAD_MAX_TOKENS // 2, (generated, aborted_after_s)
-        for s in sockets:
-            received = bytearray()
-            with pytest.raises(ConnectionResetError):
-                while data := s.recv(65536):
-                    received += data
-            assert b"[DONE]" not in received
+        assert_reset_before_the_end(sockets)
         rss_after = proxy_rss_mb(cluster)
         print(f"{NUM_UNREAD} unread streams aborted {aborted_after_s:.1f} s after the last opened; "
               f"{generated} tokens generated; proxy RSS {rss_before:.0f} -> {rss_after:.0f} MB")
@@ -108,12 +113,7 @@ def test_streams_nobody_reads_on_the_direct_port_are_aborted(cluster):
                    what="every unread stream of the direct port aborted on the engine")
         generated = worker_row(cluster)["tokens_out"] - tokens_before
         assert generated < NUM_UNREAD_DIRECT * UNREAD_MAX_TOKENS // 2, generated
-        for s in sockets:
-            received = bytearray()
-            with pytest.raises(ConnectionResetError):
-                while data := s.recv(65536):
-                    received += data
-            assert b"[DONE]" not in received
+        assert_reset_before_the_end(sockets)
     finally:
         for s in sockets:
             s.close()

@@ -9,6 +9,7 @@ error status)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -154,7 +155,10 @@ class StreamingServicer:
             yield GRPC_MESSAGE
 
 
-async def grpc_server(servicer: StreamingServicer):
+@contextlib.asynccontextmanager
+async def grpc_stream(servicer: StreamingServicer, timeout_s: float):
+    """A grpc.aio server of servicer.numbers behind with_write_deadline on 127.0.0.1, and a call
+    to it from a grpc.aio client."""
     server = grpc.aio.server()
     handler = grpc.unary_stream_rpc_method_handler(
         with_write_deadline(servicer.numbers, GRPC_TIMEOUT_S, servicer.on_timeout))
@@ -162,46 +166,41 @@ async def grpc_server(servicer: StreamingServicer):
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service[1:], {method: handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, f"127.0.0.1:{port}"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel.unary_stream(GRPC_METHOD)(b"", timeout=timeout_s)
+    finally:
+        await server.stop(None)
 
 
 def test_a_grpc_client_that_reads_nothing_times_out_and_then_gets_what_was_queued_and_an_error():
     async def main():
         servicer = StreamingServicer()
-        server, target = await grpc_server(servicer)
-        try:
-            async with grpc.aio.insecure_channel(target) as channel:
-                call = channel.unary_stream(GRPC_METHOD)(b"", timeout=60)
-                await call.read()  # one message, then nothing
-                started = time.monotonic()
-                while not servicer.timeouts:
-                    assert time.monotonic() - started < GRPC_TIMEOUT_S + 20, "no timeout"
-                    await asyncio.sleep(0.05)
-                assert time.monotonic() - started >= GRPC_TIMEOUT_S * 0.9
-                received = 1
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    while await call.read() is not grpc.aio.EOF:
-                        received += 1
-                assert e.value.code() == grpc.StatusCode.CANCELLED
-                assert received == servicer.messages_yielded < GRPC_NUM_MESSAGES
-                assert servicer.timeouts == 1
-        finally:
-            await server.stop(None)
+        async with grpc_stream(servicer, timeout_s=60) as call:
+            await call.read()  # one message, then nothing
+            started = time.monotonic()
+            while not servicer.timeouts:
+                assert time.monotonic() - started < GRPC_TIMEOUT_S + 20, "no timeout"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - started >= GRPC_TIMEOUT_S * 0.9
+            received = 1
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while await call.read() is not grpc.aio.EOF:
+                    received += 1
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+            assert received == servicer.messages_yielded < GRPC_NUM_MESSAGES
+            assert servicer.timeouts == 1
     asyncio.run(main())
 
 
 def test_a_slow_grpc_reader_is_not_timed_out_and_gets_everything():
     async def main():
         servicer = StreamingServicer()
-        server, target = await grpc_server(servicer)
-        try:
-            async with grpc.aio.insecure_channel(target) as channel:
-                received = 0
-                async for message in channel.unary_stream(GRPC_METHOD)(b"", timeout=120):
-                    assert message == GRPC_MESSAGE
-                    received += 1
-                    await asyncio.sleep(0.005)  # ~2.6 MB/s, far behind what the server writes
-                assert received == GRPC_NUM_MESSAGES and servicer.timeouts == 0
-        finally:
-            await server.stop(None)
+        async with grpc_stream(servicer, timeout_s=120) as call:
+            received = 0
+            async for message in call:
+                assert message == GRPC_MESSAGE
+                received += 1
+                await asyncio.sleep(0.005)  # ~2.6 MB/s, far behind what the server writes
+            assert received == GRPC_NUM_MESSAGES and servicer.timeouts == 0
     asyncio.run(main())
