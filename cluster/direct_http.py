@@ -34,16 +34,12 @@ def shared_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve_direct(app, sock: socket.socket, server) -> None:
-    """Serve `app` on `sock` until the replica's event loop ends, with the request-head bounds,
-    keep-alive time and stream idle timeout of `server` (the config's ServerSection;
-    cluster/http_protocol.py, cluster/stream_idle_timeout.py)."""
+    """Serve `app` on `sock` until the replica's event loop ends, with the request-head bounds
+    and keep-alive time of `server` (the config's ServerSection; cluster/http_protocol.py)."""
     import uvicorn
 
     from kvmesh.cluster.http_protocol import bounded_protocol
-    from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout
 
-    if server.stream_idle_timeout_s > 0:  # a client that stops reading is cut, as on the proxy
-        app = StreamIdleTimeout(app, server.stream_idle_timeout_s)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             http=bounded_protocol(server.max_header_bytes, server.header_timeout_s),
                             timeout_keep_alive=server.keep_alive_timeout_s)

@@ -28,9 +28,6 @@ queued before it. What gRPC had accepted stays queued for the client, which gets
 status, if it reads again; it is freed when the client reads, closes or its deadline passes. A
 stream small enough to fit in gRPC's buffers never waits, so it is never cut: it was all written.
 
-The direct HTTP port (direct_http.py) wraps the app in the same middleware (its server is uvicorn
-too), so all three ways in share the bound.
-
 `apply()` (listed in ray_patches.PATCHES) adds the middleware where Serve's proxy assembles its
 HTTP options, outermost (after any of RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), so the `send` it
 wraps is uvicorn's own, and wraps the gRPC proxy's streaming handlers. The launcher puts the timeout
