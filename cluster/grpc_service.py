@@ -1,7 +1,8 @@
 """The kvmesh.v1.Generation gRPC service, as methods of the ingress (Serve's gRPC proxy calls the
 method named like the RPC with the decoded request; Generate is server-streaming, so it is an async
 generator). Errors become gRPC status codes: INVALID_ARGUMENT naming the field, NOT_FOUND for an
-unknown model, ALREADY_EXISTS for a request_id in flight, UNAVAILABLE when overloaded.
+unknown model, ALREADY_EXISTS for a request_id in flight, RESOURCE_EXHAUSTED when overloaded,
+UNAVAILABLE when no worker could serve it.
 
 Request identity: the server names every request (new_id) and only that name reaches the workers
 and the engine. A client's `request_id` is a label scoped to its caller (the API key it sent; with
