@@ -11,9 +11,11 @@ client's tokens, never waits for it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvmesh.cluster.generation import MAX_ATTEMPTS, WORKER_GONE
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.cluster.metrics import IngressMetrics
 from kvmesh.cluster.openai_protocol import ApiError, new_id
@@ -22,6 +24,8 @@ from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.serve_config import ServeConfig
 from kvmesh.worker.chat_template import encode_chat
+
+logger = logging.getLogger("kvmesh.cluster")
 
 # Prompts up to this many characters tokenize in well under a millisecond: on the event loop.
 INLINE_TOKENIZE_CHARS = 4096
@@ -54,8 +58,22 @@ class Frontend:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    self._info = await self.workers.model_info.remote()
+                    self._info = await self._ask_model_info()
         return self._info
+
+    async def _ask_model_info(self) -> ModelInfo:
+        """A worker that dies while asked is not the answer: the next call goes to another (the
+        dead one has left the router's replica set), as a request is re-run (generation.py)."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return await self.workers.model_info.remote()
+            except WORKER_GONE as e:
+                logger.warning("kvmesh: a worker died while asked for the model (attempt %d): %r",
+                               attempt + 1, e)
+                error = e
+        raise ApiError(503, f"no worker could answer after {MAX_ATTEMPTS} attempts: "
+                       f"{type(error).__name__}", type="server_error", code="worker_failed",
+                       retry_after_s=1)
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.model_aliases:
@@ -146,5 +164,7 @@ class Frontend:
             self.model_name, routed.arrival_time, first_token, time.time(),
             last.num_prompt_tokens or routed.num_prompt_tokens, num_output_tokens,
             last.num_cached_tokens)
-        if routed.attempt:
-            self.metrics.retries.labels(model=self.model_name).inc(routed.attempt)
+
+    def count_retry(self) -> None:
+        """A request sent again after its worker died (counted whatever the request's end)."""
+        self.metrics.retries.labels(model=self.model_name).inc()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import ray
 from ray.serve.exceptions import BackPressureError
@@ -30,7 +31,7 @@ logger = logging.getLogger("kvmesh.cluster")
 
 MAX_ATTEMPTS = 3
 RESTART = object()  # yielded before a non-streaming request is run again on another replica
-_WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineUnavailable)
+WORKER_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineUnavailable)
 OVERLOAD_RETRY_AFTER_S = 1
 
 
@@ -45,11 +46,15 @@ def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:
                       num_prompt_tokens=routed.num_prompt_tokens, arrival_time=routed.arrival_time)
 
 
-async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
-    """Yield the request's TokenDeltas (the last one finished); see the module doc for failures."""
+async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
+                      on_retry: Callable[[], None] | None = None):
+    """Yield the request's TokenDeltas (the last one finished); see the module doc for failures.
+    `on_retry` is called each time the request is sent again, however it ends."""
     last_error = None
     for attempt in range(MAX_ATTEMPTS):
         routed.attempt = attempt
+        if attempt and on_retry is not None:
+            on_retry()
         produced = False
         finished = False
         response = None
@@ -66,7 +71,7 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False):
             return
         except BackPressureError:
             raise overloaded() from None
-        except _WORKER_GONE as e:
+        except WORKER_GONE as e:
             last_error = e
             logger.warning("kvmesh: worker died during request %s (attempt %d, tokens=%s): %r",
                            routed.request_id, attempt + 1, produced, e)
@@ -126,9 +131,10 @@ class Collected:
         return "".join(self.text_parts)
 
 
-async def collect(handle, routed: RoutedRequest) -> Collected:
+async def collect(handle, routed: RoutedRequest,
+                  on_retry: Callable[[], None] | None = None) -> Collected:
     out = Collected()
-    async for item in run_request(handle, routed, restartable=True):
+    async for item in run_request(handle, routed, restartable=True, on_retry=on_retry):
         if item is RESTART:
             out.reset()
         else:

@@ -2,11 +2,14 @@
 kvmesh.v1.Generation gRPC service (Serve's gRPC proxy calls the methods named like the RPCs).
 
 Each ingress replica holds a handle to the workers, so Serve gives it a copy of the KV-aware request
-router (request_router.py). Errors are OpenAI's error JSON with the right status; a client that
-disconnects cancels its stream, which aborts the request on the worker.
+router (request_router.py). The HTTP routes here and the gRPC methods (grpc_service.py) are adapters
+over one request pipeline (pipeline.py): they parse their wire request into its GenerationRequest
+and render what it returns. Errors are OpenAI's error JSON with the right status; a client that
+disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio
+import functools
 import json
 import time
 
@@ -14,15 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
 from kvmesh.cluster import process_metrics
-from kvmesh.cluster.auth import UNAUTHORIZED_MESSAGE, ApiKeys
+from kvmesh.cluster.auth import ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.generation import collect, overloaded, run_request
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
+from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
 from kvmesh.cluster.status import worker_rows
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -38,10 +40,55 @@ app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh clu
 
 
 def _error_response(e: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(int(e.retry_after_s))} if e.retry_after_s else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {}
+    if e.retry_after_s:
+        headers["Retry-After"] = str(int(e.retry_after_s))
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
+def _max_tokens_param(req) -> str:
+    return ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
+            else "max_tokens")
+
+
+def _prompt(req, kind: str) -> Prompt:
+    if kind == "chat":
+        return Prompt("messages", messages=chat_prompt_text(req.messages))
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request (batches are not supported)",
+                           param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return Prompt("prompt", text=prompt)
+    return Prompt("prompt", token_ids=list(prompt))
+
+
+async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
+    """The SSE body of a stream; when the client goes, Starlette closes this generator and the
+    stream with it (which aborts the request on the worker)."""
+    async with stream:
+        role = shaper.role_chunk(include_usage)
+        if role is not None:
+            yield sse(role)
+        offset = 0
+        async for delta in stream:
+            yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
+                                         delta.top_logprobs, delta.finish_reason, offset,
+                                         include_usage))
+            offset += len(delta.text)
+        if include_usage:
+            last = stream.last
+            yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
+                                         stream.num_tokens, last.num_cached_tokens))
+        yield SSE_DONE
+
+
+# Module functions the routes call are defined above the class: Serve copies the class when
+# `serve.ingress` decorates it, with the names the module holds at that point.
 @serve.ingress(app)
 class Ingress(GrpcService):
     def __init__(self, workers, config: dict):
@@ -50,6 +97,7 @@ class Ingress(GrpcService):
         self.hub = get_or_create_hub(self.config.app_name)
         self.api_keys = ApiKeys.from_server_config(self.config.server)
         self.limits = RequestLimits(self.config.limits)
+        self.pipeline = RequestPipeline(self.frontend, self.limits, self.api_keys)
         process_metrics.register(self.frontend.metrics.registry)
         if self.config.server.direct_http_port:  # the same app on this replica's own server
             from kvmesh.cluster.direct_http import serve_direct, shared_socket
@@ -134,116 +182,47 @@ class Ingress(GrpcService):
 
     async def _complete(self, request: Request, kind: str):
         arrival = time.time()
-        if (denied := self._auth(request)) is not None:
-            return denied
-        routed = None
         try:
-            try:
-                body = json.loads(await self.limits.read_body(request))
-            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            if (bad := lone_surrogate_path(body)) is not None:
-                raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (not valid "
-                               "Unicode text)", param=bad)
-            cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-            req = parse_request(body, cls)
-            self.frontend.check_model(req.model)
-            prompt_ids, param = await self._prompt_ids(req, kind)
-            self.limits.check_prompt(len(prompt_ids), param)
-            info = await self.frontend.check_prompt(prompt_ids, param)
-            max_param = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
-                         is not None else "max_tokens")
-            params = sampling_params(req, self.limits.output_budget(
-                getattr(req, max_param), info.max_model_len - len(prompt_ids), max_param))
-            session = request.headers.get(self.config.routing.session_header) or req.user
-            routed = self.frontend.routed_request(prompt_ids, params, info, session, arrival=arrival)
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            req = await self._parse(request, kind)
+            admitted = await self.pipeline.admit(GenerationRequest(
+                _prompt(req, kind), functools.partial(sampling_params, req),
+                max_tokens=getattr(req, _max_tokens_param(req)),
+                max_tokens_param=_max_tokens_param(req), model=req.model,
+                session_key=request.headers.get(self.config.routing.session_header) or req.user,
+                arrival=arrival))
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
-                            params.logprobs)
+                            admitted.routed.sampling_params.logprobs)
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
-                return await self._stream(routed, shaper, include_usage, param)
-            return await self._whole(routed, shaper, param)
-        except BackPressureError:  # raised where the handle call is made, not where it is read
-            e = overloaded()
-            self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
-            return _error_response(e)
+                stream = await self.pipeline.stream(admitted)
+                return StreamingResponse(_sse(stream, shaper, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            result = await self.pipeline.whole(admitted)
+            last = result.last
+            return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
+                               last.finish_reason,
+                               last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
+                               last.num_cached_tokens)
         except ApiError as e:
-            self.frontend.metrics.observe_status(self.frontend.model_name, e.status)
-            return _error_response(e)
+            return _error_response(self.pipeline.refused(e))
 
-    async def _prompt_ids(self, req, kind: str) -> tuple[list[int], str]:
-        if kind == "chat":
-            return await self.frontend.encode_chat(chat_prompt_text(req.messages)), "messages"
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: one prompt per request (batches are not supported)",
-                               param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return await self.frontend.encode_text(prompt), "prompt"
-        return list(prompt), "prompt"
-
-    async def _whole(self, routed, shaper: Shaper, param: str):
-        result = await collect(self.frontend.workers, routed)
-        last = result.last
-        if last is None or (last.finish_reason == "error" and not result.token_ids):
-            raise self.frontend.worker_error(last, param) if last else ApiError(503, "no result")
-        if last.finish_reason == "error":
-            raise ApiError(503, last.error or "the request failed", type="server_error",
-                           code="worker_failed", retry_after_s=1)
-        self.frontend.account(routed, result.first_token_seen, last,
-                              len(result.token_ids), 200)
-        return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
-                           last.finish_reason, last.num_prompt_tokens or routed.num_prompt_tokens,
-                           last.num_cached_tokens)
-
-    async def _stream(self, routed, shaper: Shaper, include_usage: bool, param: str):
-        deltas = run_request(self.frontend.workers, routed)
-        # The first delta comes before the response starts, so a request the worker refuses
-        # still gets its 4xx status instead of an error inside a 200 stream.
-        first = await deltas.__anext__()
-        if first.finished and first.finish_reason == "error" and not first.token_ids:
-            await deltas.aclose()
-            raise self.frontend.worker_error(first, param)
-        first_time = time.time()
-
-        async def body():
-            last, num_tokens, offset = first, 0, 0
-            first_token_time = first_time if first.token_ids else None
-            try:
-                role = shaper.role_chunk(include_usage)
-                if role is not None:
-                    yield sse(role)
-                delta = first
-                while True:
-                    num_tokens += len(delta.token_ids)
-                    if delta.token_ids and first_token_time is None:
-                        first_token_time = time.time()
-                    yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
-                                                 delta.top_logprobs, delta.finish_reason, offset,
-                                                 include_usage))
-                    offset += len(delta.text)
-                    last = delta
-                    if delta.finished:
-                        break
-                    delta = await deltas.__anext__()
-                if include_usage:
-                    yield sse(shaper.usage_chunk(last.num_prompt_tokens or routed.num_prompt_tokens,
-                                                 num_tokens, last.num_cached_tokens))
-                yield SSE_DONE
-                self.frontend.account(routed, first_token_time, last, num_tokens, 200)
-            finally:
-                await deltas.aclose()  # client gone: cancels the worker call (aborts there)
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    async def _parse(self, request: Request, kind: str):
+        try:
+            body = json.loads(await self.limits.read_body(request))
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if (bad := lone_surrogate_path(body)) is not None:
+            raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (not valid "
+                           "Unicode text)", param=bad)
+        return parse_request(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
 
     def _auth(self, request: Request, endpoint: str = "api") -> JSONResponse | None:
-        if self.api_keys.allows(endpoint, request.headers.get("authorization")):
-            return None
-        self.frontend.metrics.observe_status(self.frontend.model_name, 401)
-        return JSONResponse(error_body(UNAUTHORIZED_MESSAGE, "authentication_error", None,
-                                       "invalid_api_key"),
-                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        try:
+            self.pipeline.authorize(endpoint, request.headers.get("authorization"))
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+        return None
+

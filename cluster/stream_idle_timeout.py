@@ -1,4 +1,5 @@
-"""Serve's HTTP proxy ends a response whose client has stopped reading (`server.stream_idle_timeout_s`).
+"""Serve's HTTP and gRPC proxies end a response whose client has stopped reading
+(`server.stream_idle_timeout_s`).
 
 Why in the proxy: it is the only process on the path that sees a client stop reading. Its uvicorn
 `send` waits while the socket's write buffer is full (uvicorn's flow control), so the proxy stops
@@ -16,10 +17,21 @@ and the engine aborts the request and frees its KV blocks. A client that reads, 
 never cut: uvicorn resumes writing only after 48 KiB have drained, which a slow reader may take
 longer than `timeout_s` to read, so progress is counted in bytes, not in finished sends.
 
+gRPC (`with_write_deadline`): Serve's gRPC proxy answers a streaming call with an async generator;
+gRPC's asyncio server writes each message it yields and takes the next only once the write is
+done, and a write waits once gRPC's buffers for the stream are full (the client's HTTP/2 window and
+what gRPC holds beyond it). A call whose one message has waited `timeout_s` to be written has its
+ingress call cancelled (serve_grpc_cancel.cancel_replica_call), so the engine aborts the request as
+for a client's cancel and nothing more is produced for it. Unlike HTTP, the stream itself is not
+reset: gRPC's asyncio server has no way to cancel one call, and a status cannot overtake the data
+queued before it. What gRPC had accepted stays queued for the client, which gets it, then an error
+status, if it reads again; it is freed when the client reads, closes or its deadline passes. A
+stream small enough to fit in gRPC's buffers never waits, so it is never cut: it was all written.
+
 `apply()` (listed in ray_patches.PATCHES) adds the middleware where Serve's proxy assembles its
 HTTP options, outermost (after any of RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), so the `send` it
-wraps is uvicorn's own. The launcher puts the timeout in KVMESH_STREAM_IDLE_TIMEOUT_S; 0 or unset
-leaves the proxy as it is.
+wraps is uvicorn's own, and wraps the gRPC proxy's streaming handlers. The launcher puts the timeout
+in KVMESH_STREAM_IDLE_TIMEOUT_S; 0 or unset leaves the proxies as they are.
 """
 
 from __future__ import annotations
@@ -97,12 +109,37 @@ def unsent_bytes(transport: asyncio.Transport) -> int:
     return total
 
 
+def with_write_deadline(handler, timeout_s: float, on_timeout):
+    """A streaming gRPC handler (an async generator function of (request, context)) that calls
+    `on_timeout(context)` when one of its messages has waited `timeout_s` to be written."""
+
+    async def streaming(request, context):
+        loop = asyncio.get_running_loop()
+
+        def timed_out():
+            logger.warning("kvmesh: a gRPC stream's client read nothing for %.1f s; aborting its "
+                           "request", timeout_s)
+            on_timeout(context)
+
+        async for message in handler(request, context):
+            timer = loop.call_later(timeout_s, timed_out)
+            try:
+                yield message  # gRPC writes it while this generator waits here
+            finally:
+                timer.cancel()
+
+    return streaming
+
+
 def apply() -> None:
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or 0)
     if timeout_s <= 0:
         return
     from ray.serve._private import proxy
+    from ray.serve._private.proxy_request_response import gRPCStreamingType
     from starlette.middleware import Middleware
+
+    from kvmesh.cluster.serve_grpc_cancel import cancel_replica_call
 
     serve_configure = proxy.configure_http_middlewares
 
@@ -112,3 +149,14 @@ def apply() -> None:
         return options
 
     proxy.configure_http_middlewares = configure_http_middlewares
+
+    serve_factory = proxy.gRPCProxy.service_handler_factory
+    streaming = (gRPCStreamingType.UNARY_STREAM, gRPCStreamingType.STREAM_STREAM)
+
+    def service_handler_factory(self, service_method, streaming_type):
+        handler = serve_factory(self, service_method, streaming_type)
+        if streaming_type not in streaming:
+            return handler
+        return with_write_deadline(handler, timeout_s, cancel_replica_call)
+
+    proxy.gRPCProxy.service_handler_factory = service_handler_factory

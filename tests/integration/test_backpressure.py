@@ -16,15 +16,13 @@ import socket
 import time
 
 import pytest
-import yaml
 
-from kvmesh.cluster.local import LocalCluster
+from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import (chat_stream_body, http, open_raw_stream, ray_processes, rss_mb,
                                  wait_until)
 
 pytestmark = pytest.mark.slow
 
-MODEL = "random:tiny-llama"
 IDLE_TIMEOUT_S = 3.0
 NUM_UNREAD = 40
 UNREAD_MAX_TOKENS = 1900  # about all of tiny-llama's 2048-token context
@@ -34,14 +32,9 @@ PROXY_GROWTH_LIMIT_MB = 60  # measured: see docs/RELIABILITY.md "Backpressure"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "backpressure.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": MODEL,
-        "engine": {"device": "cpu", "max_num_seqs": 64},
-        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 64},
-        "server": {"stream_idle_timeout_s": IDLE_TIMEOUT_S},
-    }))
-    with LocalCluster([], config=str(config)) as c:
+    config = cpu_config(engine={"max_num_seqs": 64}, replicas={"max_ongoing_requests": 64},
+                        server={"stream_idle_timeout_s": IDLE_TIMEOUT_S})
+    with config_cluster(tmp_path_factory, config) as c:
         yield c
 
 

@@ -11,13 +11,10 @@ import time
 import urllib.request
 
 import pytest
-import yaml
 
-from kvmesh.cluster.local import LocalCluster
+from cluster_support import MODEL, config_cluster, cpu_config
 
 pytestmark = pytest.mark.slow
-
-MODEL = "random:tiny-llama"
 
 
 def replicas(cluster) -> float:
@@ -39,16 +36,10 @@ def wait_for_replicas(cluster, n, timeout_s):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "autoscale.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": MODEL,
-        "engine": {"device": "cpu"},
-        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
-        "autoscaling": {"enabled": True, "policy": "ongoing_requests", "min_replicas": 1,
-                        "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
-                        "downscale_delay_s": 3, "window_s": 2},
-    }))
-    with LocalCluster([], config=str(config)) as c:
+    config = cpu_config(autoscaling={
+        "enabled": True, "policy": "ongoing_requests", "min_replicas": 1, "max_replicas": 2,
+        "target_ongoing_requests": 1, "upscale_delay_s": 1, "downscale_delay_s": 3, "window_s": 2})
+    with config_cluster(tmp_path_factory, config) as c:
         yield c
 
 

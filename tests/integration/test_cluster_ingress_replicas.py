@@ -9,28 +9,21 @@ import urllib.error
 import urllib.request
 
 import pytest
-import yaml
 
-from kvmesh.cluster.local import LocalCluster, free_port
+from kvmesh.cluster.local import free_port
+from cluster_support import MODEL, config_cluster, cpu_config
 
 pytestmark = pytest.mark.slow
-
-MODEL = "random:tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "two_ingress.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": MODEL,
-        "engine": {"device": "cpu"},
-        "replicas": {"num_replicas": 2, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 2,
-                     "max_queued_requests": 1},
-        "routing": {"policy": "kv_events", "ingress_replicas": 2},
-        "server": {"stream_interval": 4, "direct_http_port": free_port()},
-    }))
-    with LocalCluster([], config=str(config)) as c:
-        c.direct_url = f"http://127.0.0.1:{yaml.safe_load(config.read_text())['server']['direct_http_port']}"
+    direct_port = free_port()
+    config = cpu_config(2, replicas={"max_ongoing_requests": 2, "max_queued_requests": 1},
+                        routing={"policy": "kv_events", "ingress_replicas": 2},
+                        server={"stream_interval": 4, "direct_http_port": direct_port})
+    with config_cluster(tmp_path_factory, config) as c:
+        c.direct_url = f"http://127.0.0.1:{direct_port}"
         yield c
 
 

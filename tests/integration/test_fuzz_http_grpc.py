@@ -13,19 +13,17 @@ import json
 
 import grpc
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.cluster.client import grpc_stream
-from kvmesh.cluster.local import LocalCluster
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import http
 
 pytestmark = pytest.mark.slow
 
-MODEL = "random:tiny-llama"
 MAX_OUTPUT = 8
 HTTP_EXAMPLES = 150
 GRPC_EXAMPLES = 120
@@ -43,13 +41,8 @@ HTTP_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_toke
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "fuzz.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": MODEL, "engine": {"device": "cpu"},
-        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
-        "limits": {"max_output_tokens": MAX_OUTPUT, "max_body_bytes": 262144},
-    }))
-    with LocalCluster([], config=str(config)) as c:
+    config = cpu_config(limits={"max_output_tokens": MAX_OUTPUT, "max_body_bytes": 262144})
+    with config_cluster(tmp_path_factory, config) as c:
         yield c
 
 

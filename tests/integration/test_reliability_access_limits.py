@@ -17,16 +17,14 @@ import uuid
 
 import grpc
 import pytest
-import yaml
 
 from kvmesh.cluster.client import grpc_call, grpc_stream
-from kvmesh.cluster.local import LocalCluster
+from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import (auth, http, metrics, per_worker, ray_processes, rss_mb,
                                  wait_until)
 
 pytestmark = pytest.mark.slow
 
-MODEL = "random:tiny-llama"
 CLI_KEY = "sk-cli-" + uuid.uuid4().hex
 ENV_KEY = "sk-env-" + uuid.uuid4().hex
 MAX_OUTPUT = 48
@@ -36,20 +34,15 @@ KV_BYTES = 12 * 16 * 256
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "limits.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": MODEL,
-        "engine": {"device": "cpu", "kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 8},
-        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 4,
-                     "max_queued_requests": 4},
-        "server": {"auth_metrics": True, "api_docs": True},
-        "limits": {"max_prompt_tokens": 100, "max_output_tokens": MAX_OUTPUT,
-                   "max_body_bytes": 16384},
-    }))
+    config = cpu_config(engine={"kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 8},
+                        replicas={"max_ongoing_requests": 4, "max_queued_requests": 4},
+                        server={"auth_metrics": True, "api_docs": True},
+                        limits={"max_prompt_tokens": 100, "max_output_tokens": MAX_OUTPUT,
+                                "max_body_bytes": 16384})
     old = os.environ.get("KVMESH_API_KEYS")
     os.environ["KVMESH_API_KEYS"] = f"unused-key,{ENV_KEY}"
     try:
-        with LocalCluster(["--api-key", CLI_KEY], config=str(config)) as c:
+        with config_cluster(tmp_path_factory, config, ["--api-key", CLI_KEY]) as c:
             yield c
     finally:
         if old is None:

@@ -24,32 +24,26 @@ import time
 
 import grpc
 import pytest
-import yaml
 
 from kvmesh.bench.traffic import Traffic, summarize
-from kvmesh.cluster.local import LocalCluster
 from kvmesh.cluster.routing_state import STALE_LOAD_S
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.serve_config import ServeConfig
+from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import (ReplicaProcesses, engine_process_of, http, metrics, per_worker,
                                  ray_processes, wait_until, worker_pids)
 
 pytestmark = pytest.mark.slow
 
-MODEL = "random:tiny-llama"
 MIX = {"whole": 0.45, "stream": 0.45, "abort": 0.1}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "faults.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": MODEL, "engine": {"device": "cpu"},
-        "replicas": {"num_replicas": 2, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 16},
-    }))
+    config = cpu_config(2, replicas={"max_ongoing_requests": 16})
     # the start can take minutes on a 2-core machine shared with other test runs
-    with LocalCluster([], config=str(config), start_timeout_s=400) as c:
+    with config_cluster(tmp_path_factory, config, start_timeout_s=400) as c:
         yield c
 
 

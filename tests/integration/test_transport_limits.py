@@ -17,15 +17,14 @@ import uuid
 
 import grpc
 import pytest
-import yaml
 from raw_http import closed_by_server, connect, read_response, request, trickle_until_answered
+from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import auth, http, ray_processes, rss_mb
 
-from kvmesh.cluster.local import LocalCluster, free_port
+from kvmesh.cluster.local import free_port
 
 pytestmark = pytest.mark.slow
 
-MODEL = "random:tiny-llama"
 # Generous: on a shared 2-core machine Ray + Serve + 3 replicas took up to 170 s to start.
 START_TIMEOUT_S = 420
 KEY = "sk-" + uuid.uuid4().hex
@@ -38,17 +37,11 @@ GENERATE = "/kvmesh.v1.Generation/Generate"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = tmp_path_factory.mktemp("cfg") / "transport.yaml"
     direct_port = free_port()
-    config.write_text(yaml.safe_dump({
-        "model": MODEL,
-        "engine": {"device": "cpu"},
-        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
-        "server": {"direct_http_port": direct_port, "header_timeout_s": HEADER_TIMEOUT_S,
-                   "keep_alive_timeout_s": KEEP_ALIVE_S},
-    }))
-    with LocalCluster(["--api-key", KEY], config=str(config),
-                      start_timeout_s=START_TIMEOUT_S) as c:
+    config = cpu_config(server={"direct_http_port": direct_port, "header_timeout_s": HEADER_TIMEOUT_S,
+                                "keep_alive_timeout_s": KEEP_ALIVE_S})
+    with config_cluster(tmp_path_factory, config, ["--api-key", KEY],
+                        start_timeout_s=START_TIMEOUT_S) as c:
         c.direct_http_port = direct_port
         yield c
 

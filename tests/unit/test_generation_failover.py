@@ -1,50 +1,22 @@
-"""generation.run_request's answer to each kind of worker failure, against a stand-in for Serve's
-deployment handle (`handle.options(stream=True).generate.remote(routed)` -> an async iterator of
-TokenDeltas); the real handle and worker are exercised by tests/integration/test_reliability_faults.py."""
+"""generation.run_request's (and Frontend.model_info's) answer to each kind of worker failure,
+against a stand-in for Serve's deployment handle (`handle.options(stream=True).generate.remote(routed)`
+-> an async iterator of TokenDeltas; `handle.model_info.remote()`); the real handle and worker are
+exercised by tests/integration/test_reliability_faults.py."""
 
 import asyncio
 
+import pytest
+import ray
+
 from kvmesh.cluster.engine_loop import EngineUnavailable
-from kvmesh.cluster.generation import run_request
-from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.cluster.frontend import Frontend
+from kvmesh.cluster.generation import MAX_ATTEMPTS, run_request
+from kvmesh.cluster.messages import ModelInfo, RoutedRequest
+from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
-
-
-class Handle:
-    """Runs each attempt's script in turn: a list of TokenDeltas and, optionally, an exception."""
-
-    def __init__(self, *attempts):
-        self.attempts = list(attempts)
-        self.avoided = []  # routed.avoid_workers as each attempt saw it
-
-    def options(self, stream):
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    def remote(self, routed):
-        self.avoided.append(list(routed.avoid_workers))
-        return _Response(self.attempts.pop(0))
-
-
-class _Response:
-    def __init__(self, script):
-        self.script = script
-
-    def __aiter__(self):
-        return self._run()
-
-    async def _run(self):
-        for item in self.script:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def cancel(self):
-        pass
+from kvmesh.serve_config import parse_config
+from handle_support import Handle
 
 
 def routed():
@@ -81,3 +53,52 @@ def test_any_other_worker_exception_ends_the_request_as_an_error_delta_not_an_ex
     out = run(handle, routed())
     assert len(out) == 1 and out[0].finish_reason == "error" and "ValueError" in out[0].error
     assert len(handle.attempts) == 1  # not re-run: the worker's code failed, not its process
+
+
+def test_every_retry_is_counted_also_of_a_request_that_ends_in_an_error():
+    died = [EngineUnavailable(f"w{i}", "engine process died") for i in range(MAX_ATTEMPTS)]
+    retries = []
+    request = routed()
+
+    async def main():
+        return [d async for d in run_request(Handle(*[[e] for e in died]), request,
+                                             on_retry=lambda: retries.append(request.attempt))]
+    out = asyncio.run(main())
+    assert out[-1].finish_reason == "error" and "after 3 attempts" in out[-1].error
+    assert retries == list(range(1, MAX_ATTEMPTS))
+
+
+class ModelInfoHandle:
+    """`handle.model_info.remote()`: raises each of `failures` in turn, then answers."""
+
+    def __init__(self, *failures):
+        self.failures = list(failures)
+        self.calls = 0
+
+    @property
+    def model_info(self):
+        return self
+
+    async def remote(self):
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return ModelInfo("tiny-llama", max_model_len=512, block_size=16, hash_salt=b"")
+
+
+def frontend(handle) -> Frontend:
+    return Frontend(parse_config({"model": "random:tiny-llama"}), worker_handle=handle)
+
+
+def test_the_first_model_info_call_is_asked_again_when_its_worker_died():
+    handle = ModelInfoHandle(ray.exceptions.ActorDiedError())
+    info = asyncio.run(frontend(handle).model_info())
+    assert info.max_model_len == 512 and handle.calls == 2
+
+
+def test_model_info_with_every_worker_dead_is_a_503_not_a_bare_exception():
+    handle = ModelInfoHandle(*[ray.exceptions.ActorDiedError() for _ in range(MAX_ATTEMPTS)])
+    with pytest.raises(ApiError) as e:
+        asyncio.run(frontend(handle).model_info())
+    assert e.value.status == 503 and "ActorDiedError" in e.value.message
+    assert handle.calls == MAX_ATTEMPTS

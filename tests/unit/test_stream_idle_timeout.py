@@ -1,20 +1,25 @@
 """StreamIdleTimeout (cluster/stream_idle_timeout.py) on a real uvicorn server on 127.0.0.1, around
 an app that streams like Serve's proxy (it stops when receive() says http.disconnect): a client that
 reads nothing is cut after the timeout and the app learns it; a client that reads more slowly than
-the app writes, so that uvicorn's send waits longer than the timeout, is not cut and gets it all."""
+the app writes, so that uvicorn's send waits longer than the timeout, is not cut and gets it all.
+The same two cases for gRPC's with_write_deadline, on a real grpc.aio server and client (a reader
+that does not stop is not timed out; one that stops is, and still gets what was queued, then the
+error status)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
 
+import grpc
 import pytest
 import uvicorn
 
 from kvmesh.cluster.local import free_port
-from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout
+from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout, with_write_deadline
 
 TIMEOUT_S = 0.5
 CHUNK = b"x" * 1023 + b"\n"
@@ -115,3 +120,87 @@ def test_a_slow_reader_is_not_cut_and_gets_everything(server):
     assert app.ended.wait(10) and not app.disconnected
     assert app.chunks_sent == NUM_CHUNKS
     assert received.count(CHUNK) == NUM_CHUNKS
+
+
+# ---- gRPC ----------------------------------------------------------------------------------------
+
+GRPC_MESSAGE = b"y" * 16384
+GRPC_NUM_MESSAGES = 1000  # 16 MiB: more than gRPC buffers for a stream on loopback (~6 MiB here)
+GRPC_METHOD = "/kvmesh.test.Stream/Numbers"
+# gRPC lets a write go only after the client has drained a large part of the stream's buffers, so
+# a reader behind a full buffer sees waits of buffer / read rate (measured here: up to 0.74 s at
+# 2.6 MB/s, 5.3 s at 750 KB/s): the timeout is a bound on that wait, not on time without a read.
+GRPC_TIMEOUT_S = 2.0
+
+
+class StreamingServicer:
+    """A server-streaming handler that yields GRPC_NUM_MESSAGES as fast as gRPC writes them, behind
+    with_write_deadline. Its timeout stops it as Serve's proxy stops when its replica call is
+    cancelled: no more messages, then an error status."""
+
+    def __init__(self):
+        self.timeouts = 0
+        self.messages_yielded = 0
+
+    def on_timeout(self, context):
+        self.timeouts += 1
+
+    async def numbers(self, request, context):
+        for _ in range(GRPC_NUM_MESSAGES):
+            if self.timeouts:
+                context.set_code(grpc.StatusCode.CANCELLED)
+                context.set_details("the client read nothing")
+                return
+            self.messages_yielded += 1
+            yield GRPC_MESSAGE
+
+
+@contextlib.asynccontextmanager
+async def grpc_stream(servicer: StreamingServicer, timeout_s: float):
+    """A grpc.aio server of servicer.numbers behind with_write_deadline on 127.0.0.1, and a call
+    to it from a grpc.aio client."""
+    server = grpc.aio.server()
+    handler = grpc.unary_stream_rpc_method_handler(
+        with_write_deadline(servicer.numbers, GRPC_TIMEOUT_S, servicer.on_timeout))
+    service, method = GRPC_METHOD.rsplit("/", 1)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service[1:], {method: handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel.unary_stream(GRPC_METHOD)(b"", timeout=timeout_s)
+    finally:
+        await server.stop(None)
+
+
+def test_a_grpc_client_that_reads_nothing_times_out_and_then_gets_what_was_queued_and_an_error():
+    async def main():
+        servicer = StreamingServicer()
+        async with grpc_stream(servicer, timeout_s=60) as call:
+            await call.read()  # one message, then nothing
+            started = time.monotonic()
+            while not servicer.timeouts:
+                assert time.monotonic() - started < GRPC_TIMEOUT_S + 20, "no timeout"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - started >= GRPC_TIMEOUT_S * 0.9
+            received = 1
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while await call.read() is not grpc.aio.EOF:
+                    received += 1
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+            assert received == servicer.messages_yielded < GRPC_NUM_MESSAGES
+            assert servicer.timeouts == 1
+    asyncio.run(main())
+
+
+def test_a_slow_grpc_reader_is_not_timed_out_and_gets_everything():
+    async def main():
+        servicer = StreamingServicer()
+        async with grpc_stream(servicer, timeout_s=120) as call:
+            received = 0
+            async for message in call:
+                assert message == GRPC_MESSAGE
+                received += 1
+                await asyncio.sleep(0.005)  # ~2.6 MB/s, far behind what the server writes
+            assert received == GRPC_NUM_MESSAGES and servicer.timeouts == 0
+    asyncio.run(main())

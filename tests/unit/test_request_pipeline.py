@@ -1,0 +1,121 @@
+"""The request pipeline that HTTP and gRPC share (cluster/pipeline.py), without a cluster: what it
+refuses before the workers, what a stream does with its first delta, an Abort, an early close, and
+what it counts. The workers are the handle stand-in of handle_support.py; the protocols on a live
+cluster are tests/integration (test_fuzz_http_grpc.py, test_grpc_identity_cancel.py, ...)."""
+
+import asyncio
+
+import pytest
+
+from kvmesh.cluster.auth import ApiKeys
+from kvmesh.cluster.frontend import Frontend
+from kvmesh.cluster.limits import RequestLimits
+from kvmesh.cluster.messages import ModelInfo
+from kvmesh.cluster.openai_protocol import ApiError
+from kvmesh.cluster.pipeline import GenerationRequest, Prompt, RequestPipeline
+from kvmesh.protocol import TokenDelta
+from kvmesh.sampling_params import SamplingParams
+from kvmesh.serve_config import parse_config
+from handle_support import Handle
+
+MAX_MODEL_LEN = 64
+
+
+def pipeline(handle=None, limits: dict | None = None, keys=()) -> RequestPipeline:
+    config = parse_config({"model": "random:tiny-llama", "limits": limits or {}})
+    fe = Frontend(config, worker_handle=handle)
+    fe._info = ModelInfo("tiny-llama", max_model_len=MAX_MODEL_LEN, block_size=16, hash_salt=b"")
+    return RequestPipeline(fe, RequestLimits(config.limits), ApiKeys(keys))
+
+
+def request(token_ids=(1, 2, 3), max_tokens=None, **kw) -> GenerationRequest:
+    return GenerationRequest(
+        Prompt("prompt_token_ids", token_ids=list(token_ids)),
+        lambda budget: SamplingParams(max_tokens=max_tokens or min(16, budget)),
+        max_tokens=max_tokens, **kw)
+
+
+def delta(ids, reason=None, error=None):
+    return TokenDelta("r", ids, "x" * len(ids), finish_reason=reason, error=error)
+
+
+def requests_counted(p: RequestPipeline, status: int) -> float:
+    return p.frontend.metrics.requests.labels(model=p.frontend.model_name, status=str(status))._value.get()
+
+
+def test_a_caller_without_a_valid_key_is_refused_with_401():
+    p = pipeline(keys=["sk-right"])
+    p.authorize("api", "Bearer sk-right")
+    p.authorize("health", None)  # open unless server.auth_health
+    with pytest.raises(ApiError) as e:
+        p.authorize("api", "Bearer sk-wrong")
+    assert e.value.status == 401 and e.value.code == "invalid_api_key"
+
+
+def test_admission_refuses_by_name_what_does_not_fit():
+    p = pipeline(limits={"max_prompt_tokens": 10, "max_output_tokens": 20})
+    cases = {"model": request(model="another-model"),
+             "prompt_token_ids": request(token_ids=range(1, 12)),  # over max_prompt_tokens
+             "max_tokens": request(max_tokens=21)}                 # over max_output_tokens
+    for param, req in cases.items():
+        with pytest.raises(ApiError) as e:
+            asyncio.run(p.admit(req))
+        assert e.value.param == param and e.value.status in (400, 404), e.value.message
+
+
+def test_the_output_budget_is_the_context_left_and_a_request_past_it_is_refused():
+    p = pipeline()
+    admitted = asyncio.run(p.admit(request(token_ids=range(1, 61))))
+    assert admitted.routed.sampling_params.max_tokens == 4  # 64 - 60: the default fits the budget
+    with pytest.raises(ApiError) as e:
+        asyncio.run(p.admit(request(token_ids=range(1, 61), max_tokens=5)))
+    assert e.value.param == "max_tokens" and "only 4 tokens of context are left" in e.value.message
+
+
+def run_stream(p, abort=None, take=None):
+    """Admit a request, stream it; take at most `take` deltas, then close the stream."""
+    async def main():
+        admitted = await p.admit(request())
+        stream = await p.stream(admitted, abort)
+        out = []
+        async with stream:
+            async for d in stream:
+                out.append(d)
+                if abort is not None and len(out) == 1:
+                    abort.set()
+                if take is not None and len(out) == take:
+                    break
+        return out
+    return asyncio.run(main())
+
+
+def test_a_refusal_before_any_token_is_raised_before_the_response_starts():
+    handle = Handle([delta([], "error", "invalid_request: the prompt is too long")])
+    with pytest.raises(ApiError) as e:
+        run_stream(pipeline(handle))
+    assert (e.value.status, e.value.param) == (400, "prompt_token_ids")
+    assert e.value.message == "the prompt is too long"
+
+
+def test_a_finished_stream_is_counted_once_after_its_last_delta():
+    p = pipeline(Handle([delta([5]), delta([6, 7], "length")]))
+    out = run_stream(p)
+    assert [d.token_ids for d in out] == [[5], [6, 7]] and out[-1].finish_reason == "length"
+    assert requests_counted(p, 200) == 1
+    assert p.frontend.metrics.generation_tokens.labels(model=p.frontend.model_name)._value.get() == 3
+
+
+def test_abort_cancels_the_worker_call_and_ends_the_stream_with_an_abort_delta():
+    handle = Handle([delta([5]), asyncio.Event(), delta([6], "length")])  # the worker runs on
+    p = pipeline(handle)
+    out = run_stream(p, abort=asyncio.Event())
+    assert [d.finish_reason for d in out] == [None, "abort"]
+    assert handle.responses[0].cancelled
+    assert requests_counted(p, 200) == 0  # aborted: no answer was completed
+
+
+def test_closing_a_stream_early_cancels_the_worker_call():
+    handle = Handle([delta([5]), delta([6]), delta([7], "length")])
+    p = pipeline(handle)
+    assert len(run_stream(p, take=1)) == 1
+    assert handle.responses[0].cancelled and requests_counted(p, 200) == 0
