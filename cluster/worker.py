@@ -77,7 +77,9 @@ class KVWorker:
 
     async def generate(self, routed: RoutedRequest):
         request = EngineRequest(routed.request_id, list(routed.prompt_token_ids),
-                                routed.sampling_params, routed.arrival_time or time.time())
+                                routed.sampling_params, routed.arrival_time or time.time(),
+                                block_hashes=routed.block_hashes if routed.hash_block_size else None,
+                                hash_block_size=routed.hash_block_size)
         stream = self.loop.submit(request)
         interval = self.config.server.stream_interval
         finished, sent_first = False, False

@@ -106,7 +106,7 @@ def test_streams_refuses_aborts_snapshots_and_counts(mode, reference_tokens):
 
             bad = await drain(loop.submit(EngineRequest("bad", list(range(10)) * 300, GREEDY)))
             assert len(bad) == 1 and bad[0].finish_reason == "error" and not bad[0].retryable
-            assert bad[0].error.startswith("invalid_request: prompt is 3000 tokens")
+            assert bad[0].error.startswith("invalid_request: the prompt is 3000 tokens; the limit is ")
 
             long = loop.submit(EngineRequest("long", list(range(20)), ENDLESS))
             assert not (await long.get()).finished
