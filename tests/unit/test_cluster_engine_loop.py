@@ -38,6 +38,17 @@ def open_loop(mode: str, event_loop) -> EngineLoop:
     return EngineLoop(transport, event_loop)
 
 
+def run_with_loop(mode: str, body):
+    """`await body(loop)` on a fresh event loop, with an EngineLoop of that mode stopped afterwards."""
+    async def main():
+        loop = open_loop(mode, asyncio.get_running_loop())
+        try:
+            return await body(loop)
+        finally:
+            loop.stop()
+    return run(main())
+
+
 def kill_engine(loop: EngineLoop) -> None:
     """The engine dies: its process is SIGKILLed, or its thread's next step raises (a CUDA error)."""
     if isinstance(loop.transport, EngineProcess):
@@ -91,100 +102,85 @@ def reference_tokens():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_streams_refuses_aborts_snapshots_and_counts(mode, reference_tokens):
-    async def main():
-        loop = open_loop(mode, asyncio.get_running_loop())
-        try:
-            assert loop.info.model_name and loop.info.block_size == 16 and loop.info.vocab_size == 512
-            deltas = await drain(loop.submit(EngineRequest("r1", list(range(40)), GREEDY)))
-            assert deltas[-1].finish_reason == "length"
-            assert [t for d in deltas for t in d.token_ids] == reference_tokens and len(reference_tokens) == 6
-            batches = loop.take_kv_batches()
-            assert batches and [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
-            snap = await loop.snapshot()
-            assert isinstance(snap, KVSnapshot) and snap.seq == batches[-1].seq and len(snap.block_hashes) >= 2
-            assert loop.ttft_p90() > 0.0 and loop.stats.prompt_tokens == 40
+    async def body(loop):
+        assert loop.info.model_name and loop.info.block_size == 16 and loop.info.vocab_size == 512
+        deltas = await drain(loop.submit(EngineRequest("r1", list(range(40)), GREEDY)))
+        assert deltas[-1].finish_reason == "length"
+        assert [t for d in deltas for t in d.token_ids] == reference_tokens and len(reference_tokens) == 6
+        batches = loop.take_kv_batches()
+        assert batches and [b.seq for b in batches] == list(range(batches[0].seq, batches[0].seq + len(batches)))
+        snap = await loop.snapshot()
+        assert isinstance(snap, KVSnapshot) and snap.seq == batches[-1].seq and len(snap.block_hashes) >= 2
+        assert loop.ttft_p90() > 0.0 and loop.stats.prompt_tokens == 40
 
-            bad = await drain(loop.submit(EngineRequest("bad", list(range(10)) * 300, GREEDY)))
-            assert len(bad) == 1 and bad[0].finish_reason == "error" and not bad[0].retryable
-            assert bad[0].error.startswith("invalid_request: the prompt is 3000 tokens; the limit is ")
+        bad = await drain(loop.submit(EngineRequest("bad", list(range(10)) * 300, GREEDY)))
+        assert len(bad) == 1 and bad[0].finish_reason == "error" and not bad[0].retryable
+        assert bad[0].error.startswith("invalid_request: the prompt is 3000 tokens; the limit is ")
 
-            long = loop.submit(EngineRequest("long", list(range(20)), ENDLESS))
-            assert not (await long.get()).finished
-            loop.abort("long")
-            assert loop.num_streams == 0
-            while loop.load.running or loop.load.waiting:  # the engine reports the abort within a step or two
-                await asyncio.sleep(0.01)
-            assert loop.load.kv_total_blocks > 0 and loop.load.kv_free_blocks > 0
-            assert loop.stats.steps > 0 and loop.stats.step_seconds > 0
-            assert loop.stats.requests == 2 and loop.stats.errors == 1 and loop.stats.finished == 3  # r1, bad, long (aborted)
-            assert loop.is_alive() and loop.stalled_for() == 0.0 and loop.report(STALL_S).healthy
-        finally:
-            loop.stop()
-    run(main())
+        long = loop.submit(EngineRequest("long", list(range(20)), ENDLESS))
+        assert not (await long.get()).finished
+        loop.abort("long")
+        assert loop.num_streams == 0
+        while loop.load.running or loop.load.waiting:  # the engine reports the abort within a step or two
+            await asyncio.sleep(0.01)
+        assert loop.load.kv_total_blocks > 0 and loop.load.kv_free_blocks > 0
+        assert loop.stats.steps > 0 and loop.stats.step_seconds > 0
+        # finished: r1, bad and the aborted long
+        assert loop.stats.requests == 2 and loop.stats.errors == 1 and loop.stats.finished == 3
+        assert loop.is_alive() and loop.stalled_for() == 0.0 and loop.report(STALL_S).healthy
+    run_with_loop(mode, body)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_dead_engine_fails_its_streams_retryably_and_reports_unhealthy_at_once(mode):
-    async def main():
-        loop = open_loop(mode, asyncio.get_running_loop())
+    async def body(loop):
         wake_ups = []  # the engine's liveness at each wake-up of the worker's publisher
         loop.on_progress = lambda: wake_ups.append(loop.is_alive())
-        try:
-            out = loop.submit(EngineRequest("r", list(range(20)), ENDLESS))
-            await out.get()
-            assert loop.report(STALL_S).healthy
-            kill_engine(loop)
-            last = (await drain(out))[-1]
-            # the request is not at fault: marked for another worker to run it
-            assert last.finish_reason == "error" and last.retryable
-            assert last.error.startswith(f"engine {mode} died: ")
-            assert not loop.is_alive()
-            assert wake_ups[-1] is False  # ... and the worker was woken to publish the death
-            assert not loop.report(STALL_S).healthy and not loop.load.healthy
-            # a request sent to the dead engine is refused at once, retryably; so is a snapshot
-            refused = await drain(loop.submit(EngineRequest("late", [1, 2, 3], SamplingParams(max_tokens=2))))
-            assert len(refused) == 1 and refused[0].retryable and refused[0].finish_reason == "error"
-            with pytest.raises(RuntimeError, match=f"engine {mode} died"):
-                await loop.snapshot()
-        finally:
-            loop.stop()
-    run(main())
+        out = loop.submit(EngineRequest("r", list(range(20)), ENDLESS))
+        await out.get()
+        assert loop.report(STALL_S).healthy
+        kill_engine(loop)
+        last = (await drain(out))[-1]
+        # the request is not at fault: marked for another worker to run it
+        assert last.finish_reason == "error" and last.retryable
+        assert last.error.startswith(f"engine {mode} died: ")
+        assert not loop.is_alive()
+        assert wake_ups[-1] is False  # ... and the worker was woken to publish the death
+        assert not loop.report(STALL_S).healthy and not loop.load.healthy
+        # a request sent to the dead engine is refused at once, retryably; so is a snapshot
+        refused = await drain(loop.submit(EngineRequest("late", [1, 2, 3], SamplingParams(max_tokens=2))))
+        assert len(refused) == 1 and refused[0].retryable and refused[0].finish_reason == "error"
+        with pytest.raises(RuntimeError, match=f"engine {mode} died"):
+            await loop.snapshot()
+    run_with_loop(mode, body)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_frozen_engine_is_reported_stalled_after_the_timeout_and_recovers_when_it_steps(mode):
-    async def main():
-        loop = open_loop(mode, asyncio.get_running_loop())
-        try:
-            out = loop.submit(EngineRequest("r", list(range(20)), ENDLESS))
-            await out.get()
-            with engine_frozen(loop):
-                frozen = time.monotonic()
-                while not loop.report(STALL_S).stalled:  # bounded by the test's timeout
-                    await asyncio.sleep(0.05)
-                assert time.monotonic() - frozen >= STALL_S - 0.2  # not before the timeout
-                assert loop.is_alive() and loop.report(STALL_S).healthy  # stalled, not dead
-                while not out.empty():  # what it sent before it froze
-                    out.get_nowait()
-            await out.get()  # it steps again
-            assert not loop.report(STALL_S).stalled and loop.stalled_for() < STALL_S
-            loop.abort("r")
-        finally:
-            loop.stop()
-    run(main())
+    async def body(loop):
+        out = loop.submit(EngineRequest("r", list(range(20)), ENDLESS))
+        await out.get()
+        with engine_frozen(loop):
+            frozen = time.monotonic()
+            while not loop.report(STALL_S).stalled:  # bounded by the test's timeout
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - frozen >= STALL_S - 0.2  # not before the timeout
+            assert loop.is_alive() and loop.report(STALL_S).healthy  # stalled, not dead
+            while not out.empty():  # what it sent before it froze
+                out.get_nowait()
+        await out.get()  # it steps again
+        assert not loop.report(STALL_S).stalled and loop.stalled_for() < STALL_S
+        loop.abort("r")
+    run_with_loop(mode, body)
 
 
 def test_a_consumer_that_fell_behind_gets_what_is_waiting_as_one_delta():
     """The worker sends one stream item per read: every delta already queued, merged in order."""
-    async def main():
-        loop = open_loop("thread", asyncio.get_running_loop())
-        try:
-            params = dataclasses.replace(GREEDY, logprobs=1)
-            return await drain(loop.submit(EngineRequest("late", list(range(30)), params)))
-        finally:
-            loop.stop()
+    async def body(loop):
+        params = dataclasses.replace(GREEDY, logprobs=1)
+        return await drain(loop.submit(EngineRequest("late", list(range(30)), params)))
 
-    deltas = run(main())
+    deltas = run_with_loop("thread", body)
     assert len(deltas) >= 2
     backlog = asyncio.Queue()
     for d in deltas[1:]:
