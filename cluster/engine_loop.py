@@ -1,16 +1,18 @@
-"""Runs a synchronous Engine on a dedicated thread and bridges it to an asyncio loop.
+"""The replica's side of its engine: streams, counters and liveness over a transport to an EngineCore.
 
-The engine (kvmesh.worker.engine.Engine) is single-threaded: only this thread calls it. Requests,
-aborts and snapshot requests reach it through a thread-safe command queue; token deltas go back to
-each request's asyncio.Queue in one `call_soon_threadsafe` per engine step, so the actor's event
+The engine (engine_core.EngineCore around kvmesh.worker.engine.Engine) runs behind one of two
+transports: a thread of this process (`EngineThread`, here) or a child process (`EngineProcess`,
+engine_process.py). Either one calls `EngineLoop`'s receiver from its own thread; token deltas go
+to each request's asyncio.Queue in one `call_soon_threadsafe` per engine step, so the actor's event
 loop never waits on a model step and a step never waits on the event loop. No Ray here: the Serve
 worker (worker.py) wraps it.
 
-Liveness is the engine's own: `is_alive()` is false once the engine thread (or process) is gone,
-and `stalled_for()` counts how long an engine with requests has gone without finishing a step.
-When the engine dies, every open stream gets one `retryable` error delta (nothing went wrong with
-the request itself: another worker may run it), later submits get one at once, and the worker is
-woken to report the death.
+Liveness is read from the transport, the same way in both modes: the engine is dead once its
+thread or process is gone (a `Failed` report, or the process's socket closing), and it is stalled
+when it has requests and has reported nothing for a while (a hung step, a SIGSTOPped process),
+since a working engine reports every step. When the engine dies, every open stream gets one
+`retryable` error delta (nothing went wrong with the request itself: another worker may run it),
+later submits get one at once, and the worker is woken to report the death.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
+from kvmesh.cluster.engine_core import (Abort, Command, EngineCore, Failed, Output, Ready, Snapshot,
+                                        SnapshotReply, StepReport, Stop, Submit)
 from kvmesh.protocol import EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad
 
 logger = logging.getLogger("kvmesh.cluster")
-
-_IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks for a command
 
 
 @dataclass
@@ -45,42 +48,40 @@ class LoopStats:
     preemptions: int = 0
 
 
-def engine_info(engine) -> dict:
-    """What the worker tells routers and the ingress about its engine (ModelInfo's fields)."""
-    return {"model_name": engine.model_name, "max_model_len": int(engine.max_model_len),
-            "block_size": int(engine.block_size), "hash_salt": bytes(engine.hash_salt),
-            "eos_token_id": getattr(engine.tokenizer, "eos_token_id", None),
-            "vocab_size": int(engine.model_config.vocab_size)}
+class Transport(Protocol):
+    """Carries commands to an EngineCore and its outputs back (EngineThread, EngineProcess)."""
+    name: str  # "engine thread" / "engine process", in failure messages
+    ready: Ready  # the engine's first report, received before the transport is handed over
+
+    def start(self, receive) -> None:
+        """Begin calling `receive(output)` with every later output, from a thread of its own."""
+
+    def send(self, command: Command) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def exit_status(self) -> str:
+        """How the engine ended, for a failure message when no Failed report said why."""
+
+    def stop(self) -> None: ...
 
 
 class EngineLoop:
-    """The engine on a thread of this process (engine_process.py has it in a child process)."""
-
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, ttft_window_s: float = 30.0):
-        self.engine = engine
-        self._setup(loop, ttft_window_s, engine.get_load(), engine_info(engine))
-        self._commands: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
-        self._thread.start()
-
-    def _setup(self, loop: asyncio.AbstractEventLoop, ttft_window_s: float, load: WorkerLoad,
-               info: dict) -> None:
+    def __init__(self, transport: Transport, loop: asyncio.AbstractEventLoop, ttft_window_s: float = 30.0):
+        self.transport = transport
         self.loop = loop
-        self.info = info
+        self.info = transport.ready.info
+        self.load: WorkerLoad = transport.ready.load
         self.stats = LoopStats()
         self.ttft_window_s = ttft_window_s
         self._ttfts: deque[tuple[float, float]] = deque()  # (finish-of-first-token time, ttft)
         self._streams: dict[str, asyncio.Queue] = {}  # only touched on the asyncio loop
-        self._kv_batches: deque[KVEventBatch] = deque()  # engine side appends, publisher pops
-        self.load: WorkerLoad = load
+        self._snapshots: deque[asyncio.Future] = deque()  # answered in order
+        self._kv_batches: deque[KVEventBatch] = deque()  # the transport appends, the publisher pops
+        self._last_heard = time.monotonic()
         self.on_progress = None  # callable run on the asyncio loop after each step (publisher wake-up)
-        self.last_step_end = time.monotonic()
-        self.busy_since: float | None = None  # when the current step started (None: not in a step)
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
+        self.error: str | None = None  # why the engine died (set by its Failed report)
+        transport.start(self._receive)
 
     # ---- asyncio side ------------------------------------------------------------------------
 
@@ -90,19 +91,22 @@ class EngineLoop:
         if not self.is_alive():
             out.put_nowait(engine_failed(request.request_id, self.failure_message()))
             return out
+        if not self._streams:  # the engine was idle: a stall counts from now
+            self._last_heard = time.monotonic()
         self._streams[request.request_id] = out
-        self._send(("add", request))
+        self.transport.send(Submit(request))
         return out
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
-            self._send(("abort", request_id))
+            self.transport.send(Abort(request_id))
 
     async def snapshot(self) -> KVSnapshot:
         if not self.is_alive():
             raise RuntimeError(self.failure_message())
         fut = self.loop.create_future()
-        self._send(("snapshot", fut))
+        self._snapshots.append(fut)
+        self.transport.send(Snapshot())
         return await fut
 
     def take_kv_batches(self) -> list[KVEventBatch]:
@@ -125,12 +129,13 @@ class EngineLoop:
         return len(self._streams)
 
     def stalled_for(self, now: float | None = None) -> float:
-        """Seconds the engine thread has been inside one step (0 when it is not in a step)."""
+        """Seconds without a word from an engine that has requests (0 when it has none): a step
+        report comes after every step, so this is at least the time since the last step ended."""
         now = time.monotonic() if now is None else now
-        return 0.0 if self.busy_since is None else now - self.busy_since
+        return now - self._last_heard if self._streams else 0.0
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self.error is None and self.transport.is_alive()
 
     def report(self, stall_timeout_s: float) -> WorkerLoad:
         """The engine's last load with its health and stall judged now, stamped with this moment
@@ -139,11 +144,10 @@ class EngineLoop:
                                    stalled=self.stalled_for() > stall_timeout_s)
 
     def failure_message(self) -> str:
-        return f"engine loop died: {self.error!r}"
+        return f"{self.transport.name} died: {self.error or self.transport.exit_status()}"
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        self.transport.stop()
 
     def _deliver(self, deltas: list[TokenDelta], load: WorkerLoad) -> None:
         self.load = load
@@ -166,55 +170,11 @@ class EngineLoop:
         if self.on_progress is not None:
             self.on_progress()
 
-    # ---- engine thread -----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
-                deltas = []
-                if self.engine.has_unfinished_requests():
-                    self.busy_since = time.monotonic()
-                    deltas = self.engine.step()
-                    self.last_step_end = time.monotonic()
-                    self.stats.steps += 1
-                    self.stats.step_seconds += self.last_step_end - self.busy_since
-                    self.stats.preemptions = self.engine.scheduler.num_preemptions
-                    self.busy_since = None
-                batch = self.engine.take_kv_events()
-                if batch is not None:
-                    self._kv_batches.append(batch)
-                if deltas or batch is not None:
-                    self.loop.call_soon_threadsafe(self._deliver, deltas, self.engine.get_load())
-        except BaseException as e:  # the worker's health check reports it; Serve replaces the replica
-            logger.exception("kvmesh engine loop died")
-            self.error = e
-            self.loop.call_soon_threadsafe(self._fail_all)
-
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._execute(*cmd)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _execute(self, kind: str, arg) -> None:
-        if kind == "add":
-            try:
-                self.engine.add_request(arg)
-                self.stats.requests += 1
-            except ValueError as e:  # a bad request (prompt too long, ...): that caller only
-                self.loop.call_soon_threadsafe(self._deliver, [rejected(arg, e)], self.engine.get_load())
-        elif kind == "abort":
-            self.engine.abort_request(arg)
-        elif kind == "snapshot":
-            snap = self.engine.kv_snapshot()
-            self.loop.call_soon_threadsafe(_set_result, arg, snap)
+    def _resolve_snapshot(self, snapshot: KVSnapshot) -> None:
+        if self._snapshots:
+            fut = self._snapshots.popleft()
+            if not fut.done():
+                fut.set_result(snapshot)
 
     def _fail_all(self) -> None:
         """The engine is gone (runs on the asyncio loop after `error` is set, so a submit after this
@@ -224,8 +184,79 @@ class EngineLoop:
         for request_id, out in list(self._streams.items()):
             out.put_nowait(engine_failed(request_id, message))
         self._streams.clear()
+        while self._snapshots:
+            fut = self._snapshots.popleft()
+            if not fut.done():
+                fut.set_exception(RuntimeError(message))
         if self.on_progress is not None:
             self.on_progress()
+
+    # ---- the transport's thread --------------------------------------------------------------
+
+    def _receive(self, output: Output) -> None:
+        self._last_heard = time.monotonic()
+        if isinstance(output, StepReport):
+            if output.step_seconds:
+                self.stats.steps += 1
+                self.stats.step_seconds += output.step_seconds
+            self.stats.requests, self.stats.preemptions = output.num_requests, output.num_preemptions
+            if output.kv_batch is not None:
+                self._kv_batches.append(output.kv_batch)
+            self._call_soon(self._deliver, output.deltas, output.load)
+        elif isinstance(output, SnapshotReply):
+            self._call_soon(self._resolve_snapshot, output.snapshot)
+        elif isinstance(output, Failed):
+            self.error = self.error or output.message
+            logger.error("kvmesh %s died: %s", self.transport.name, output.message)
+            self._call_soon(self._fail_all)
+
+    def _call_soon(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is waiting
+            pass
+
+
+class EngineThread:
+    """The transport of an engine on a thread of this process (a queue.Queue of commands)."""
+    name = "engine thread"
+
+    def __init__(self, engine):
+        self.core = EngineCore(engine)
+        self.ready = self.core.ready()
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, receive) -> None:
+        self._thread = threading.Thread(target=self._run, args=(receive,), name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self, receive) -> None:
+        try:
+            self.core.run(self._next_command, receive)
+        except BaseException as e:  # the worker's health check reports it; Serve replaces the replica
+            logger.exception("kvmesh engine thread died")
+            receive(Failed(repr(e)))
+
+    def _next_command(self, timeout_s: float) -> Command | None:
+        try:
+            return self._commands.get(timeout=timeout_s) if timeout_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def send(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def exit_status(self) -> str:
+        return "its thread ended"
+
+    def stop(self) -> None:
+        self.send(Stop())
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
 
 class EngineUnavailable(RuntimeError):
@@ -245,20 +276,8 @@ def engine_failed(request_id: str, message: str) -> TokenDelta:
     return TokenDelta(request_id, [], "", finish_reason="error", error=message, retryable=True)
 
 
-def rejected(request: EngineRequest, error: ValueError) -> TokenDelta:
-    """The one delta of a request the engine refused (prompt too long, ...): an error for its caller."""
-    return TokenDelta(request.request_id, [], "", finish_reason="error",
-                      num_prompt_tokens=len(request.prompt_token_ids),
-                      error=f"invalid_request: {error}", arrival_time=request.arrival_time)
-
-
 def coalesce(delta: TokenDelta, stream: asyncio.Queue) -> TokenDelta:
     """`delta` followed by every delta of its request already waiting in `stream`, as one."""
     while not delta.finished and not stream.empty():
         delta = delta.followed_by(stream.get_nowait())
     return delta
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)

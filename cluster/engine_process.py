@@ -1,67 +1,66 @@
-"""The engine in a child process of the worker replica, as vLLM's EngineCore.
+"""The engine in a child process of the worker replica, as vLLM's EngineCore process.
 
 In one process the engine thread and the replica's event loop share Python's GIL. At GPU rates the
 event loop (Serve's streaming of token deltas, the publisher) holds it most of the time, and every
 point where a step waits (a CUDA sync, a pinned copy) costs it up to a switch interval (5 ms) to get
-the GIL back: on two H200 replicas a decode step of ~3 ms GPU time took ~50 ms. Here the step runs
-in its own interpreter and talks to the replica over a socket pair with pickled messages:
+the GIL back: on two H200 replicas a decode step of ~3 ms GPU time took ~50 ms. Here the same
+EngineCore loop (engine_core.py) runs in its own interpreter and speaks its typed messages, pickled,
+over a socket pair: the replica sends `Start` first, the child answers `Ready` (or `Failed`), then
+commands and outputs flow as in a thread.
 
-    replica -> engine:  ("add", EngineRequest) | ("abort", request_id) | ("snapshot", None) | ("stop", None)
-    engine -> replica:  ("ready", info, load) | ("step", deltas, kv_batch, load, step_s, counters)
-                        | ("snapshot", KVSnapshot) | ("error", traceback text)
-
-`EngineProcessLoop` keeps EngineLoop's asyncio side (streams, TTFT window, counters) unchanged; a
-reader thread turns the child's messages into the same deliveries. The child exits when the replica
-goes away (its end of the socket closes), so a killed replica frees its GPU.
-
-The child's liveness is read from the socket, not from the replica: it dies when the reader sees
-EOF (a SIGKILL, a crash), and it stalls when it has requests and has sent nothing for a while (a
-SIGSTOP, a hung kernel), since a working engine reports every step.
+`EngineProcess` is the transport EngineLoop (engine_loop.py) drives; a reader thread hands it the
+child's outputs. The child exits when the replica goes away (its end of the socket closes), so a
+killed replica frees its GPU. The child's death is read from the socket: the reader sees EOF (a
+SIGKILL, a crash) and reports it as `Failed`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
-import time
 import traceback
-from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from kvmesh.cluster.engine_loop import _IDLE_WAIT_S, EngineLoop, _set_result, engine_info, rejected
-from kvmesh.protocol import KVSnapshot, TokenDelta
+from kvmesh.cluster.engine_core import Command, EngineCore, Failed, Ready, Stop
+from kvmesh.config import EngineConfig
 
 logger = logging.getLogger("kvmesh.cluster")
 
 
-class EngineProcessLoop(EngineLoop):
-    def __init__(self, engine_config, loop: asyncio.AbstractEventLoop, ttft_window_s: float = 30.0,
-                 num_threads: int | None = None, start_timeout_s: float = 1800.0):
+@dataclass
+class Start:
+    """The child's first message: what engine to build."""
+    config: EngineConfig
+    num_threads: int | None  # torch threads (CPU engines); None: torch's default
+
+
+class EngineProcess:
+    """The transport of an engine in a child process (a socket pair of pickled messages)."""
+    name = "engine process"
+
+    def __init__(self, engine_config: EngineConfig, num_threads: int | None = None,
+                 start_timeout_s: float = 1800.0):
         parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cluster.engine_process", str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),), env=env)
-        child_sock.close()
+        self._proc = spawn_engine_process(child_sock)
         self._conn = Connection(parent_sock.detach())
         self._send_lock = threading.Lock()
-        self._send(("config", (engine_config, num_threads)))
-        _, info, load = self._receive_ready(start_timeout_s)
-        self._setup(loop, ttft_window_s, load, info)
-        self._snapshots: deque[asyncio.Future] = deque()
-        self._last_heard = time.monotonic()
-        self._thread = threading.Thread(target=self._read, name="kvmesh-engine-reader", daemon=True)
-        self._thread.start()
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+        self.send(Start(engine_config, num_threads))
+        self.ready = self._receive_ready(start_timeout_s)
 
-    def _receive_ready(self, timeout_s: float) -> tuple:
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _receive_ready(self, timeout_s: float) -> Ready:
         try:
-            ready = self._conn.poll(timeout_s)
-            message = self._conn.recv() if ready else None
+            message = self._conn.recv() if self._conn.poll(timeout_s) else None
         except (EOFError, OSError):
             self._proc.wait(timeout=10)
             raise RuntimeError(f"engine process exited with {self._proc.returncode} while starting "
@@ -69,60 +68,43 @@ class EngineProcessLoop(EngineLoop):
         if message is None:
             self.stop()
             raise TimeoutError(f"engine process did not load its model in {timeout_s:.0f} s")
-        if message[0] == "error":
+        if isinstance(message, Failed):
             self.stop()
-            raise RuntimeError(f"engine process failed to start:\n{message[1]}")
+            raise RuntimeError(f"engine process failed to start:\n{message.message}")
         return message
 
-    def _send(self, command: tuple) -> None:
+    def start(self, receive) -> None:
+        self._reader = threading.Thread(target=self._read, args=(receive,), name="kvmesh-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _read(self, receive) -> None:
+        try:
+            while True:
+                output = self._conn.recv()
+                receive(output)
+                if isinstance(output, Failed):
+                    return
+        except (EOFError, OSError) as e:  # the engine process is gone (or stop() closed the socket)
+            if not self._stopping:
+                receive(Failed(f"it exited ({self._proc.poll()}): {e!r}"))
+
+    def send(self, command: Command | Start) -> None:
         try:
             with self._send_lock:
                 self._conn.send(command)
         except OSError:  # the child is gone: the reader thread sees it too and fails every stream
             pass
 
-    # ---- asyncio side ------------------------------------------------------------------------
-
-    def submit(self, request):
-        if not self._streams:  # the engine was idle: a stall counts from now
-            self._last_heard = time.monotonic()
-        return super().submit(request)
-
-    async def snapshot(self) -> KVSnapshot:
-        if not self.is_alive():
-            raise RuntimeError(self.failure_message())
-        fut = self.loop.create_future()
-        self._snapshots.append(fut)
-        self._send(("snapshot", None))
-        return await fut
-
-    def _resolve_snapshot(self, snap: KVSnapshot) -> None:
-        if self._snapshots:
-            _set_result(self._snapshots.popleft(), snap)
-
-    def stalled_for(self, now: float | None = None) -> float:
-        """Seconds without a word from an engine that has requests (0 when it has none): a step
-        report comes after every step, so this is at least the time since the last step ended."""
-        now = time.monotonic() if now is None else now
-        return now - self._last_heard if self._streams else 0.0
-
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._proc.poll() is None and self.error is None
+        return self._reader is not None and self._reader.is_alive() and self._proc.poll() is None
 
-    def failure_message(self) -> str:
-        return f"engine process died: {self.error or f'exit status {self._proc.poll()}'!r}"
-
-    def _fail_all(self) -> None:
-        super()._fail_all()
-        while self._snapshots:
-            fut = self._snapshots.popleft()
-            if not fut.done():
-                fut.set_exception(RuntimeError(self.failure_message()))
+    def exit_status(self) -> str:
+        return f"exit status {self._proc.poll()}"
 
     def stop(self) -> None:
-        if hasattr(self, "_stop"):
-            self._stop.set()
-        self._send(("stop", None))
+        self._stopping = True
+        self.send(Stop())
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -130,94 +112,43 @@ class EngineProcessLoop(EngineLoop):
             self._proc.wait(timeout=10)
         self._conn.close()
 
-    # ---- reader thread -----------------------------------------------------------------------
 
-    def _read(self) -> None:
-        try:
-            while True:
-                kind, *payload = self._conn.recv()
-                self._last_heard = time.monotonic()
-                if kind == "step":
-                    deltas, batch, load, step_s, (requests, preemptions) = payload
-                    if step_s:
-                        self.stats.steps += 1
-                        self.stats.step_seconds += step_s
-                        self.last_step_end = self._last_heard
-                    self.stats.requests, self.stats.preemptions = requests, preemptions
-                    if batch is not None:
-                        self._kv_batches.append(batch)
-                    self.loop.call_soon_threadsafe(self._deliver, deltas, load)
-                elif kind == "snapshot":
-                    self.loop.call_soon_threadsafe(self._resolve_snapshot, payload[0])
-                elif kind == "error":
-                    raise RuntimeError(f"engine process failed:\n{payload[0]}")
-        except (EOFError, OSError) as e:  # the engine process is gone (or stop() closed the socket)
-            self.error = self.error or RuntimeError(f"engine process exited ({self._proc.poll()}): {e!r}")
-        except BaseException as e:
-            self.error = e
-        if self._stop.is_set():  # stopped on purpose
-            return
-        logger.error("kvmesh engine process: %r", self.error)
-        try:
-            self.loop.call_soon_threadsafe(self._fail_all)
-        except RuntimeError:  # the event loop is closed: nobody is waiting
-            pass
+def spawn_engine_process(child_sock: socket.socket) -> subprocess.Popen:
+    """Start `python -m kvmesh.cluster.engine_process FD` on the child's end of a socket pair."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cluster.engine_process", str(child_sock.fileno())],
+                            pass_fds=(child_sock.fileno(),), env=env)
+    child_sock.close()
+    return proc
 
 
 # ---- the child ------------------------------------------------------------------------------------
 
-def serve(conn: Connection) -> int:
-    """The engine process: build the engine, then step while it has work, between commands."""
-    _, (config, num_threads) = conn.recv()
+def main(conn: Connection) -> int:
+    """The engine process: build the engine, then run the EngineCore loop on the socket."""
+    start: Start = conn.recv()
     try:
-        if num_threads:
+        if start.num_threads:
             import torch
-            torch.set_num_threads(num_threads)
+            torch.set_num_threads(start.num_threads)
         from kvmesh.worker.engine import Engine
-        engine = Engine(config)
+        core = EngineCore(Engine(start.config))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc()))
         return 1
-    conn.send(("ready", engine_info(engine), engine.get_load()))
-    accepted = 0
+    conn.send(core.ready())
     try:
-        while True:
-            refused: list[TokenDelta] = []
-            if conn.poll(0 if engine.has_unfinished_requests() else _IDLE_WAIT_S):
-                while True:
-                    kind, arg = conn.recv()
-                    if kind == "stop":
-                        return 0
-                    if kind == "add":
-                        try:
-                            engine.add_request(arg)
-                            accepted += 1
-                        except ValueError as e:  # a bad request (prompt too long, ...): that caller only
-                            refused.append(rejected(arg, e))
-                    elif kind == "abort":
-                        engine.abort_request(arg)
-                    elif kind == "snapshot":
-                        conn.send(("snapshot", engine.kv_snapshot()))
-                    if not conn.poll():
-                        break
-            deltas, step_s = refused, 0.0
-            if engine.has_unfinished_requests():
-                start = time.monotonic()
-                deltas = deltas + engine.step()
-                step_s = time.monotonic() - start
-            batch = engine.take_kv_events()
-            if deltas or batch is not None or step_s:
-                conn.send(("step", deltas, batch, engine.get_load(), step_s,
-                           (accepted, engine.scheduler.num_preemptions)))
+        core.run(lambda timeout_s: conn.recv() if conn.poll(timeout_s) else None, conn.send)
+        return 0
     except (EOFError, OSError):  # the replica is gone
         return 0
     except BaseException:
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(Failed(traceback.format_exc()))
         except OSError:
             pass
         return 1
 
 
 if __name__ == "__main__":
-    sys.exit(serve(Connection(int(sys.argv[1]))))
+    sys.exit(main(Connection(int(sys.argv[1]))))

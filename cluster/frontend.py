@@ -20,7 +20,7 @@ from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.cluster.metrics import IngressMetrics
 from kvmesh.cluster.openai_protocol import ApiError, new_id
 from kvmesh.hashing import block_hashes
-from kvmesh.protocol import TokenDelta
+from kvmesh.protocol import PromptSizeError, TokenDelta, check_prompt_size
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.serve_config import ServeConfig
 from kvmesh.worker.chat_template import encode_chat
@@ -128,12 +128,11 @@ class Frontend:
 
     async def check_prompt(self, prompt_ids: list[int], param: str) -> ModelInfo:
         info = await self.model_info()
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param=param)
-        if len(prompt_ids) >= info.max_model_len:
-            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the limit is "
-                           f"{info.max_model_len - 1} (max_model_len {info.max_model_len} minus "
-                           "1 generated token)", param=param, code="context_length_exceeded")
+        try:
+            check_prompt_size(len(prompt_ids), info.max_model_len)
+        except PromptSizeError as e:
+            raise ApiError(400, str(e), param=param,
+                           code="context_length_exceeded" if e.too_long else None) from None
         return info
 
     def routed_request(self, prompt_ids: list[int], params: SamplingParams, info: ModelInfo,
@@ -143,6 +142,7 @@ class Frontend:
             request_id=request_id or new_id("req"), prompt_token_ids=prompt_ids,
             sampling_params=params,
             block_hashes=block_hashes(prompt_ids, info.block_size, info.hash_salt),
+            hash_block_size=info.block_size,
             session_key=session_key, arrival_time=arrival or time.time())
 
     # ---- results -------------------------------------------------------------------------------

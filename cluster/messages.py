@@ -16,6 +16,7 @@ class RoutedRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_hashes: list[int] = field(default_factory=list)  # full prompt blocks, model-salted
+    hash_block_size: int | None = None  # the block size block_hashes were cut at (None: not hashed)
     session_key: str | None = None
     arrival_time: float = 0.0
     attempt: int = 0  # retries after a worker died before producing a token

@@ -1,6 +1,7 @@
 """The worker deployment: one Serve replica = one Ray actor that owns one GPU (or CPUs in tests)
 and runs one Engine in a child process (engine_process.py; `replicas.engine_process: false` runs it on a
-thread of the replica instead, engine_loop.py).
+thread of the replica instead): the same EngineCore loop (engine_core.py) behind either transport,
+driven by an EngineLoop (engine_loop.py).
 
 `generate(RoutedRequest)` is an async generator of TokenDeltas; when its caller goes away (client
 disconnect, cancel) the generator is closed and the request is aborted on the engine, freeing its
@@ -45,8 +46,8 @@ def worker_id_of_this_replica() -> str:
 
 class KVWorker:
     def __init__(self, config: dict):
-        from kvmesh.cluster.engine_loop import EngineLoop
-        from kvmesh.cluster.engine_process import EngineProcessLoop
+        from kvmesh.cluster.engine_loop import EngineLoop, EngineThread
+        from kvmesh.cluster.engine_process import EngineProcess
 
         self.config: ServeConfig = parse_config(config)
         self.worker_id = worker_id_of_this_replica()
@@ -58,25 +59,27 @@ class KVWorker:
         engine_config = self.config.engine_config(worker_id=self.worker_id)
         window = self.config.autoscaling.window_s
         if self.config.replicas.engine_process:
-            self.loop = EngineProcessLoop(engine_config, asyncio.get_running_loop(), ttft_window_s=window,
-                                          num_threads=num_threads)
+            transport = EngineProcess(engine_config, num_threads=num_threads)
         else:
             from kvmesh.worker.engine import Engine
             if num_threads:
                 import torch
                 torch.set_num_threads(num_threads)
-            self.loop = EngineLoop(Engine(engine_config), asyncio.get_running_loop(), ttft_window_s=window)
+            transport = EngineThread(Engine(engine_config))
+        self.loop = EngineLoop(transport, asyncio.get_running_loop(), ttft_window_s=window)
         self._wake = asyncio.Event()
         self.loop.on_progress = self._wake.set
         self.hub = get_or_create_hub(self.config.app_name)
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
-        logger.info("kvmesh worker %s ready: %s", self.worker_id, self.loop.info["model_name"])
+        logger.info("kvmesh worker %s ready: %s", self.worker_id, self.loop.info.model_name)
 
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, routed: RoutedRequest):
         request = EngineRequest(routed.request_id, list(routed.prompt_token_ids),
-                                routed.sampling_params, routed.arrival_time or time.time())
+                                routed.sampling_params, routed.arrival_time or time.time(),
+                                block_hashes=routed.block_hashes if routed.hash_block_size else None,
+                                hash_block_size=routed.hash_block_size)
         stream = self.loop.submit(request)
         interval = self.config.server.stream_interval
         finished, sent_first = False, False
@@ -102,9 +105,7 @@ class KVWorker:
                 self.loop.abort(routed.request_id)
 
     async def model_info(self) -> ModelInfo:
-        i = self.loop.info
-        return ModelInfo(i["model_name"], i["max_model_len"], i["block_size"], i["hash_salt"],
-                         i["eos_token_id"], i["vocab_size"])
+        return self.loop.info
 
     def current_load(self):
         return self.loop.report(self.engine_stall_timeout_s)
@@ -113,7 +114,7 @@ class KVWorker:
 
     async def check_health(self):
         if not self.loop.is_alive():
-            raise RuntimeError(f"engine loop of {self.worker_id} is not running: {self.loop.error!r}")
+            raise RuntimeError(f"worker {self.worker_id}: {self.loop.failure_message()}")
         stalled = self.loop.stalled_for()
         if stalled > STALL_TIMEOUT_S:
             raise RuntimeError(f"engine step of {self.worker_id} has run {stalled:.0f} s "

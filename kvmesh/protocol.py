@@ -91,6 +91,31 @@ class EngineRequest:
     # False: the engine returns no text deltas (the caller decodes the finished token ids once);
     # stop strings still work. Offline batch generation uses it to keep detokenizing off the step.
     stream_text: bool = True
+    # The prompt's full-block hashes (kvmesh.hashing.block_hashes with the engine's salt) where the
+    # caller has them already (the ingress hashes every prompt to route it), cut at
+    # `hash_block_size` tokens; the engine checks that size against its own and hashes the prompt
+    # itself only when they are absent (offline use).
+    block_hashes: list[int] | None = None
+    hash_block_size: int | None = None
+
+
+class PromptSizeError(ValueError):
+    """A prompt no engine of that max_model_len can run (`too_long`: else it is empty)."""
+
+    def __init__(self, message: str, too_long: bool):
+        super().__init__(message)
+        self.too_long = too_long
+
+
+def check_prompt_size(num_tokens: int, max_model_len: int) -> None:
+    """The one prompt-length rule: at least 1 token, and room left for 1 generated token. The
+    ingress applies it before any work (a 400 naming the field); the engine applies it again to
+    every request it is handed, so a caller that reaches it directly (kvmesh.LLM) is refused too."""
+    if num_tokens == 0:
+        raise PromptSizeError("the prompt is empty: it must contain at least 1 token", too_long=False)
+    if num_tokens >= max_model_len:
+        raise PromptSizeError(f"the prompt is {num_tokens} tokens; the limit is {max_model_len - 1} "
+                              f"(max_model_len {max_model_len} minus 1 generated token)", too_long=True)
 
 
 @dataclass

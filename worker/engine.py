@@ -9,7 +9,8 @@ import torch
 from kvmesh.config import EngineConfig
 from kvmesh.hashing import model_salt
 from kvmesh.sampling_params import SamplingParams
-from kvmesh.protocol import EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad
+from kvmesh.protocol import (EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad,
+                             check_prompt_size)
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.model_builder import build_model, resolve_device_dtype
@@ -84,11 +85,7 @@ class Engine:
         ids = request.prompt_token_ids
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        if not ids:
-            raise ValueError("prompt must contain at least 1 token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; the limit is {self.max_model_len - 1} "
-                             f"(max_model_len {self.max_model_len} minus 1 generated token)")
+        check_prompt_size(len(ids), self.max_model_len)
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
@@ -97,16 +94,28 @@ class Engine:
             raise ValueError(f"prompt is {len(ids)} tokens; the KV pool holds "
                              f"{self.block_manager.num_blocks * self.block_size} tokens "
                              f"({self.block_manager.num_blocks} blocks of {self.block_size})")
+        if request.block_hashes is not None:
+            self._check_block_hashes(request)
         if not isinstance(request.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvmesh.SamplingParams")
         request.sampling_params.validate()
+
+    def _check_block_hashes(self, request: EngineRequest) -> None:
+        """Hashes computed by the caller are used as they are, so they must be this engine's cut."""
+        if request.hash_block_size != self.block_size:
+            raise ValueError(f"block_hashes were cut at hash_block_size {request.hash_block_size}; "
+                             f"this engine's block_size is {self.block_size}")
+        num_full = len(request.prompt_token_ids) // self.block_size
+        if len(request.block_hashes) != num_full:
+            raise ValueError(f"block_hashes has {len(request.block_hashes)} hashes; the prompt has "
+                             f"{num_full} full blocks of {self.block_size} tokens")
 
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; raises ValueError naming the field and the limit."""
         self.validate_request(request)
         ids, params = request.prompt_token_ids, request.sampling_params
         req = Request(request.request_id, ids, params, self.block_size, self.hash_salt,
-                      request.arrival_time or time.time(), request.prompt)
+                      request.arrival_time or time.time(), request.prompt, request.block_hashes)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)

@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  block_size: int, salt: bytes, arrival_time: float | None = None,
-                 prompt: str | None = None):
+                 prompt: str | None = None, prompt_block_hashes: list[int] | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -32,7 +32,10 @@ class Request:
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache (or hit)
         self.num_cached_tokens: int | None = None  # prompt tokens served by the cache, first schedule
-        self.block_hashes: list[int] = compute_block_hashes(prompt_token_ids, block_size, salt)
+        # The prompt's are given when the ingress hashed it already (to route it); later ones are
+        # appended as output tokens fill blocks.
+        self.block_hashes: list[int] = (list(prompt_block_hashes) if prompt_block_hashes is not None
+                                        else compute_block_hashes(prompt_token_ids, block_size, salt))
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None

@@ -85,6 +85,33 @@ def test_kv_events_use_the_router_hash_and_are_numbered():
     assert snap.seq == 0 and set(snap.block_hashes) == set(hashes) and snap.epoch == batches[0].epoch
 
 
+def test_the_engine_caches_a_prompt_under_the_block_hashes_its_caller_sent():
+    """The ingress hashes each prompt to route it; the engine keeps those hashes instead of hashing
+    again (sent with another salt here, so that using them shows in the KV events)."""
+    llm = LLM(MODEL, block_size=4)
+    engine = llm.engine
+    ids = list(range(1, 13))
+    sent = block_hashes(ids, 4, salt=b"hashed-by-the-ingress")
+    assert sent != block_hashes(ids, 4, salt=model_salt(engine.model_name))
+    engine.add_request(EngineRequest("r", ids, SamplingParams(max_tokens=1), block_hashes=sent,
+                                     hash_block_size=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stored = [h for e in engine.take_kv_events().events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == sent
+
+
+def test_block_hashes_of_another_cut_are_refused_naming_the_field():
+    engine = LLM(MODEL, block_size=4).engine
+    ids = list(range(1, 13))
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match="hash_block_size 8; this engine's block_size is 4"):
+        engine.add_request(EngineRequest("a", ids, params, block_hashes=block_hashes(ids, 8), hash_block_size=8))
+    with pytest.raises(ValueError, match="block_hashes has 2 hashes; the prompt has 3 full blocks of 4"):
+        engine.add_request(EngineRequest("b", ids, params, block_hashes=block_hashes(ids[:8], 4), hash_block_size=4))
+    assert not engine.requests
+
+
 def test_load_reports_waiting_and_kv_usage():
     llm = LLM(MODEL, block_size=4, max_num_seqs=1)
     engine = llm.engine

@@ -75,3 +75,26 @@ def test_short_prompts_stay_on_the_loop():
     fe = frontend()
     fe._tokenize_pool.shutdown()  # a short prompt must not need the pool
     assert asyncio.run(fe.encode_text("x" * INLINE_TOKENIZE_CHARS)) == [ord("x")] * INLINE_TOKENIZE_CHARS
+
+
+def test_a_prompt_the_model_cannot_hold_is_refused_naming_the_field_and_the_limit():
+    fe = frontend()  # max_model_len 512
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fe.check_prompt([1] * 512, "messages"))
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "context_length_exceeded")
+    assert e.value.message == ("the prompt is 512 tokens; the limit is 511 "
+                               "(max_model_len 512 minus 1 generated token)")
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fe.check_prompt([], "prompt"))
+    assert (e.value.status, e.value.param) == (400, "prompt") and "at least 1 token" in e.value.message
+    assert asyncio.run(fe.check_prompt([1] * 511, "prompt")).max_model_len == 512
+
+
+def test_a_routed_request_carries_the_prompt_hashes_and_their_block_size_to_the_engine():
+    from kvmesh.hashing import block_hashes
+
+    fe = frontend()
+    info = asyncio.run(fe.model_info())
+    routed = fe.routed_request(list(range(40)), None, info, session_key=None)
+    assert routed.hash_block_size == 16
+    assert routed.block_hashes == block_hashes(list(range(40)), 16, b"") and len(routed.block_hashes) == 2
