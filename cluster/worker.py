@@ -32,6 +32,7 @@ from kvmesh.cluster import autoscaling
 from kvmesh.cluster.engine_loop import EngineUnavailable, coalesce
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
+from kvmesh.cluster.slo_window import LatencyWindow
 from kvmesh.protocol import EngineRequest
 from kvmesh.serve_config import ServeConfig, parse_config
 
@@ -67,6 +68,7 @@ class KVWorker:
                 torch.set_num_threads(num_threads)
             transport = EngineThread(Engine(engine_config))
         self.loop = EngineLoop(transport, asyncio.get_running_loop(), ttft_window_s=window)
+        self.latency = LatencyWindow(window)  # end-to-end TTFT / ITL for the SLO policies
         self._wake = asyncio.Event()
         self.loop.on_progress = self._wake.set
         self.hub = get_or_create_hub(self.config.app_name)
@@ -81,8 +83,10 @@ class KVWorker:
                                 block_hashes=routed.block_hashes if routed.hash_block_size else None,
                                 hash_block_size=routed.hash_block_size)
         stream = self.loop.submit(request)
+        self.latency.arrived(routed.request_id, request.arrival_time)
         interval = self.config.server.stream_interval
         finished, sent_first = False, False
+        first_token_time, num_tokens = None, 0
         try:
             while True:
                 # Everything the engine produced since the last read goes out as one item: at
@@ -97,10 +101,16 @@ class KVWorker:
                     finished = True
                     raise EngineUnavailable(self.worker_id, delta.error)
                 finished, sent_first = delta.finished, sent_first or bool(delta.token_ids)
+                if delta.token_ids and first_token_time is None:
+                    first_token_time = self.latency.first_token(routed.request_id)
+                num_tokens += len(delta.token_ids)
+                if finished:
+                    self.latency.finished(first_token_time, num_tokens)
                 yield delta
                 if finished:
                     return
         finally:
+            self.latency.closed(routed.request_id)
             if not finished:  # the caller went away: free the request's KV blocks now
                 self.loop.abort(routed.request_id)
 
@@ -124,8 +134,11 @@ class KVWorker:
         load = self.loop.load
         free_ratio = load.kv_free_blocks / load.kv_total_blocks if load.kv_total_blocks else 1.0
         return {autoscaling.KV_FREE_RATIO: free_ratio,
-                autoscaling.TTFT_P90: self.loop.ttft_p90(),
-                autoscaling.ONGOING: float(self.loop.num_streams)}
+                autoscaling.TTFT_P90: self.latency.ttft_p90(),
+                autoscaling.ITL_P90: self.latency.itl_p90(),
+                autoscaling.ONGOING: float(self.loop.num_streams),
+                autoscaling.WAITING: float(load.waiting),
+                autoscaling.RUNNING: float(load.running)}
 
     def __del__(self):
         loop = getattr(self, "loop", None)

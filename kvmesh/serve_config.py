@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
 from kvmesh.router.policies import POLICY_NAMES as ROUTING_POLICIES
-AUTOSCALING_POLICIES = ("ongoing_requests", "kv_pressure", "ttft_slo")
+AUTOSCALING_POLICIES = ("ongoing_requests", "queue", "kv_pressure", "ttft_slo", "itl_slo")
+AGGREGATION_FUNCTIONS = ("mean", "max", "min")
 
 
 class _Strict(BaseModel):
@@ -73,15 +74,21 @@ class AutoscalingSection(_Strict):
 
     enabled: bool = Field(False, description="Scale worker replicas by `policy`; off = a fixed replicas.num_replicas.")
     policy: Literal[AUTOSCALING_POLICIES] = Field(  # type: ignore[valid-type]
-        "ongoing_requests", description="ongoing_requests (target per replica), kv_pressure (free KV blocks under a threshold) or ttft_slo (p90 TTFT over a target).")
-    min_replicas: int = Field(1, ge=0, description="Fewest worker replicas.")
+        "ongoing_requests", description="ongoing_requests (Serve's request count per replica), queue (running + waiting in the engines + queued at the ingress, per replica), kv_pressure (KV the requests need vs a free-KV threshold), ttft_slo (p90 TTFT from ingress arrival vs a target) or itl_slo (p90 inter-token latency vs a target); each asks for the replicas it needs in one step.")
+    min_replicas: int = Field(1, ge=0, description="Fewest worker replicas; 0 = scale to zero when idle (requests arriving then wait at the ingress while a replica starts).")
     max_replicas: int = Field(4, ge=1, description="Most worker replicas.")
     upscale_delay_s: float = Field(5, ge=0, description="How long a scale-up decision must hold before Serve adds replicas.")
     downscale_delay_s: float = Field(30, ge=0, description="How long a scale-down decision must hold before Serve removes replicas.")
-    target_ongoing_requests: float = Field(8, gt=0, description="ongoing_requests: requests in flight per replica to aim for.")
-    kv_free_threshold: float = Field(0.1, ge=0, le=1, description="kv_pressure: scale up while the mean free-KV fraction stays under this.")
-    ttft_p90_target_s: float = Field(1.0, gt=0, description="ttft_slo: scale up while the p90 time to first token exceeds this.")
-    window_s: float = Field(30, gt=0, description="Look-back window of the metrics the policies read.")
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0, description="How long a decision to go from 1 replica to 0 must hold (min_replicas 0); null = downscale_delay_s.")
+    upscaling_factor: float = Field(1.0, gt=0, le=10, description="Serve's gain on a scale-up: replicas added = factor x (desired - current), rounded up (below 1 damps, above 1 overshoots).")
+    downscaling_factor: float = Field(1.0, gt=0, le=1, description="Serve's gain on a scale-down: replicas removed = factor x (current - desired), at least one.")
+    aggregation_function: Literal[AGGREGATION_FUNCTIONS] = Field(  # type: ignore[valid-type]
+        "mean", description="How Serve aggregates each replica's metrics over window_s: mean, max or min.")
+    target_ongoing_requests: float = Field(8, gt=0, description="ongoing_requests and queue: requests per replica to aim for; kv_pressure and the SLO policies scale down only to replicas that keep this.")
+    kv_free_threshold: float = Field(0.1, ge=0, lt=1, description="kv_pressure: the free-KV fraction to keep; scale up when the KV the requests need leaves less.")
+    ttft_p90_target_s: float = Field(1.0, gt=0, description="ttft_slo: target p90 time to first token in seconds, from arrival at the ingress.")
+    itl_p90_target_s: float = Field(0.1, gt=0, description="itl_slo: target p90 inter-token latency in seconds (a request's mean time per output token after the first).")
+    window_s: float = Field(30, gt=0, description="Look-back window of the metrics the policies read (and of the workers' latency percentiles).")
 
     @model_validator(mode="after")
     def _bounds(self):

@@ -53,6 +53,14 @@ def register(subparsers) -> None:
                         "as the cluster's worker sends it")
     p.add_argument("--no-recent-routes", action="store_true",
                    help="with --router-copies: the copies have no recent-route preference")
+    p.add_argument("--autoscale", metavar="POLICY",
+                   help="instead of comparing routing policies: run this autoscaling policy (queue, "
+                        "kv_pressure, ttft_slo, ...) over a bursty trace whose peak is --load of --workers "
+                        "replicas, against a fixed fleet of --workers (router/sim/autoscale.py)")
+    p.add_argument("--autoscale-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --autoscale: an autoscaling config field (min_replicas=0, upscale_delay_s=5, "
+                        "ttft_p90_target_s=1.0, ...), startup_s, tick_s, max_ongoing_requests, or the "
+                        "burst profile's period_s, burst_s, base_load; repeatable")
     p.set_defaults(handler=_run)
 
 
@@ -90,6 +98,8 @@ def _run(args: argparse.Namespace) -> int:
                        event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events,
                        recent_ttl_s=None if args.no_recent_routes else 2.0)
     options = parse_workload_options(args.workload_opt)
+    if args.autoscale:
+        return _run_autoscale(args, config, load, options)
     if args.seeds is not None:
         return _run_seeds(args, policies, config, parse_seeds(args.seeds), load, options)
     try:
@@ -117,6 +127,17 @@ def _run_seeds(args: argparse.Namespace, policies: list[str], config, seeds: lis
     if args.plot:
         plot_ttft_p99_intervals(report, args.plot)
     return _emit(args, report, format_seeds_table, "TTFT p99 figure")
+
+
+def _run_autoscale(args: argparse.Namespace, config, load, options: dict) -> int:
+    from kvmesh.router.sim.autoscale import format_autoscale_table, run_from_options
+    from kvmesh.router.sim.workloads import make_workload
+
+    workload = make_workload(args.workload, args.requests, seed=args.seed,
+                             block_size=config.block_size, **options)
+    report = run_from_options(workload, args.autoscale, config, load, args.rate,
+                              parse_workload_options(args.autoscale_opt))
+    return _emit(args, report, format_autoscale_table, "")
 
 
 def _emit(args: argparse.Namespace, report: dict, format_report, figure: str) -> int:

@@ -322,7 +322,8 @@ def test_values_yaml_defaults_match_the_schema_and_the_serving_config_defaults()
     with helm.Chart.load(CHART) as chart:
         chart.validate_schema(values)
     assert values["kvmesh"]["engine"]["max_model_len"] is None
-    assert values["kvmesh"]["autoscaling"]["policy"] in ("ongoing_requests", "kv_pressure", "ttft_slo")
+    assert values["kvmesh"]["autoscaling"]["policy"] in ("ongoing_requests", "queue", "kv_pressure",
+                                                        "ttft_slo", "itl_slo")
 
 
 def test_serve_config_v2_is_what_kvmesh_serve_emits_for_the_same_config():

@@ -26,8 +26,10 @@ def test_defaults_match_the_contract():
     assert cfg["routing"]["policy"] == "kv_events" and cfg["routing"]["ingress_replicas"] == 1
     assert cfg["autoscaling"] == {
         "enabled": False, "policy": "ongoing_requests", "min_replicas": 1, "max_replicas": 4,
-        "upscale_delay_s": 5, "downscale_delay_s": 30, "target_ongoing_requests": 8,
-        "kv_free_threshold": 0.1, "ttft_p90_target_s": 1.0, "window_s": 30}
+        "upscale_delay_s": 5, "downscale_delay_s": 30, "downscale_to_zero_delay_s": None,
+        "upscaling_factor": 1.0, "downscaling_factor": 1.0, "aggregation_function": "mean",
+        "target_ongoing_requests": 8, "kv_free_threshold": 0.1, "ttft_p90_target_s": 1.0,
+        "itl_p90_target_s": 0.1, "window_s": 30}
     assert cfg["server"] == {"host": "127.0.0.1", "http_port": 8000, "stream_interval": 1, "grpc_port": 9000, "direct_http_port": 0, "api_keys": [],
                              "auth_health": False, "auth_metrics": False,
                              "special_tokens_in_content": False, "api_docs": False,
@@ -55,6 +57,16 @@ def test_bad_values_name_the_field():
         parse_config({"server": {"http_port": 70000}})
     with pytest.raises(ValueError, match=r"min_replicas \(5\) must be <= autoscaling\.max_replicas \(2\)"):
         parse_config({"autoscaling": {"min_replicas": 5, "max_replicas": 2}})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("upscaling_factor", 0), ("upscaling_factor", 11), ("downscaling_factor", 0),
+    ("downscaling_factor", 1.5), ("aggregation_function", "median"),
+    ("downscale_to_zero_delay_s", -1), ("kv_free_threshold", 1.0), ("itl_p90_target_s", 0),
+    ("policy", "queue_length")])
+def test_bad_autoscaling_knobs_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"autoscaling\.{field}"):
+        parse_config({"autoscaling": {field: value}})
 
 
 def test_every_field_is_documented():

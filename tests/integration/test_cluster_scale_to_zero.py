@@ -1,0 +1,97 @@
+"""Scale to zero and back on the CPU: with autoscaling.min_replicas 0 an idle cluster gives back its
+last worker replica; a request arriving then waits at the ingress (Serve's handle queue) while
+Serve's cold-start path starts a replica, and is answered; idle again, the count goes back to 0.
+And the TTFT a worker reports to the autoscaler counts from the request's arrival at the ingress,
+so a request that waited there for a replica slot has that wait inside.
+
+One replica at most, one request at a time on it (max_ongoing_requests 1), short delays.
+"""
+
+import concurrent.futures as cf
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from kvmesh.cluster.local import LocalCluster, loopback_ray_env
+from test_cluster_autoscaling import wait_for_replicas
+
+pytestmark = pytest.mark.slow
+
+MODEL = "random:tiny-llama"
+WINDOW_S = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "scale_to_zero.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": MODEL,
+        "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1, "max_ongoing_requests": 1},
+        "autoscaling": {"enabled": True, "policy": "queue", "min_replicas": 0, "max_replicas": 1,
+                        "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 1,
+                        "downscale_to_zero_delay_s": 2, "window_s": WINDOW_S},
+    }))
+    with LocalCluster([], config=str(config)) as c:
+        yield c
+
+
+def complete(cluster, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(cluster.http_url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert resp.status == 200
+        return json.loads(resp.read())
+
+
+def test_scales_to_zero_when_idle_and_a_request_brings_a_replica_back(cluster):
+    wait_for_replicas(cluster, 0, timeout_s=120)
+    with cf.ThreadPoolExecutor(1) as ex:
+        answer = ex.submit(complete, cluster, "wake up", 8)
+        seen = wait_for_replicas(cluster, 1, timeout_s=180)  # 0 -> 1 while the request waits
+        assert answer.result(timeout=300)["usage"]["completion_tokens"] == 8
+    assert seen[0] == 0
+    wait_for_replicas(cluster, 0, timeout_s=120)
+
+
+STATS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
+handle = serve.get_deployment_handle("KVWorker", app_name="kvmesh")
+print("ready", flush=True)
+for _ in sys.stdin:
+    print(json.dumps(handle.record_autoscaling_stats.remote().result()), flush=True)
+"""
+
+
+def test_the_ttft_a_worker_reports_includes_the_wait_at_the_ingress(cluster):
+    stats = subprocess.Popen([sys.executable, "-c", STATS, cluster.ray_address], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=loopback_ray_env())
+    try:
+        assert stats.stdout.readline().strip() == "ready"
+        complete(cluster, "warm", 1)  # a replica is up (cold start) before the timed pair
+        with cf.ThreadPoolExecutor(2) as ex:
+            long = ex.submit(complete, cluster, "long", 600)
+            time.sleep(0.5)  # the long one holds the replica's only slot
+            sent = time.time()
+            short = ex.submit(complete, cluster, "short", 1)  # waits at the ingress for the slot
+            long.result(timeout=300)
+            waited = time.time() - sent
+            short.result(timeout=300)
+        assert waited > 0.5
+        stats.stdin.write("stats\n")
+        stats.stdin.flush()
+        reported = json.loads(stats.stdout.readline())
+        # p90 of the few requests in the window is the largest: the short one's, ingress wait included
+        assert reported["kvmesh_ttft_p90_s"] >= waited - 0.25, (reported, waited)
+    finally:
+        stats.stdin.close()
+        stats.wait(timeout=60)
