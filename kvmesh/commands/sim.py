@@ -51,8 +51,6 @@ def register(subparsers) -> None:
     p.add_argument("--loads-with-events", action="store_true",
                    help="with --router-copies: a worker's load also travels with every event batch, "
                         "as the cluster's worker sends it")
-    p.add_argument("--no-recent-routes", action="store_true",
-                   help="with --router-copies: the copies have no recent-route preference")
     p.set_defaults(handler=_run)
 
 
@@ -87,8 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                        max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed,
                        router_copies=args.router_copies, report_interval_s=args.report_interval_s,
-                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events,
-                       recent_ttl_s=None if args.no_recent_routes else 2.0)
+                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events)
     options = parse_workload_options(args.workload_opt)
     if args.seeds is not None:
         return _run_seeds(args, policies, config, parse_seeds(args.seeds), load, options)

@@ -6,7 +6,12 @@ Workers publish here (`publish`, `publish_snapshot`, `update_load`); each router
 worker's cached block set, so a router copy that is late (its cursor fell off the bounded log), new,
 or talking to a restarted hub (another `instance`) gets a snapshot of every worker instead and goes
 on from there. A worker whose batch does not follow its last one (a lost batch, a restarted hub) is
-told to send a snapshot. Plain Python, no Ray: the actor in event_hub.py wraps it.
+told to send a snapshot. Plain Python, no Ray: the hub actor (cluster/event_hub.py) wraps it, and
+the simulator's router copies (router/sim/copies.py) use it as is.
+
+Order: the log is the consumer of the workers' publications, and `publish` is the one place that
+orders them by (epoch, seq) for the stream; each router copy's KVIndex (router/index.py) is the one
+place that orders the stream's batches for that copy.
 """
 
 from __future__ import annotations
