@@ -35,8 +35,7 @@ class PollResult:
     instance: str
     cursor: int  # pass back on the next poll
     entries: list  # KVEventBatch | KVSnapshot | WorkerGone, in log order
-    loads: dict[str, WorkerLoad]
-    stats: dict[str, dict]  # worker_id -> counters for metrics (prompt / cached tokens, ...)
+    loads: dict[str, WorkerLoad]  # every known worker's latest report
     resync: bool = False  # entries are one snapshot per live worker (the cursor was invalid)
 
 
@@ -144,6 +143,8 @@ class EventLog:
         return {wid: w.load for wid, w in self._workers.items() if w.load is not None}
 
     def stats(self) -> dict[str, dict]:
+        """Worker -> its counters (prompt / cached tokens, steps, ...), for /metrics and `kvmesh
+        status` through the hub; router copies do not route on them and are not sent them."""
         return {wid: dict(w.stats) for wid, w in self._workers.items()}
 
     # ---- internals ---------------------------------------------------------------------------
@@ -162,4 +163,4 @@ class EventLog:
             self._entries.popleft()
 
     def _result(self, entries, resync: bool = False) -> PollResult:
-        return PollResult(self.instance, self.head, entries, self.loads(), self.stats(), resync)
+        return PollResult(self.instance, self.head, entries, self.loads(), resync)
