@@ -3,10 +3,10 @@
 Serve builds one copy per process that holds a handle to the workers (each ingress replica). Each
 copy consumes the whole KV event stream from the hub (long polls, in a task on the router's event
 loop) into its RoutingState (router/routing_state.py), so all copies route from the same index; a
-copy that starts late or falls behind resyncs from the hub's snapshots. For each request, `choose_replicas` ranks the
-candidate replicas with the configured kvmesh policy on the request's block hashes
-(`pending_request.args[0]` is the RoutedRequest) and returns one replica per rank: Serve tries the
-best first and spills over to the next when a replica is at max_ongoing_requests.
+copy that starts late or falls behind resyncs from the hub's snapshots. For each request,
+`choose_replicas` ranks the candidate replicas with the configured kvmesh policy on the request's
+block hashes (`pending_request.args[0]` is the RoutedRequest) and returns one replica per rank:
+Serve tries the best first and spills over to the next when a replica is at max_ongoing_requests.
 """
 
 from __future__ import annotations

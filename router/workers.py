@@ -4,6 +4,10 @@ numpy columns so that a policy scores 1024 workers in a few vectorized operation
 A worker is *eligible* for a new request when it is healthy and below its cap (outstanding requests =
 running + waiting < cap). Policies rank eligible workers first; full-but-healthy workers follow (least
 outstanding first) as spill-over; unhealthy workers are never returned.
+
+A Router's WorkerSet is the one holder of its workers' loads: the last report, what the router
+counted since (`add_routed`) and when a report last changed (`WorkerState.reported_at`); the
+cluster's router copies and the simulator read them from here.
 """
 
 import math

@@ -140,3 +140,33 @@ def test_a_just_routed_prefix_does_not_override_the_load_balance_once_the_index_
                                kv_free_blocks=50, kv_total_blocks=100))
     state.apply(log.poll(state.instance, state.cursor))
     assert state.rank(prompt, 320, None, ["a", "b"])[0] == "b"
+
+
+def test_batches_a_fetched_snapshot_already_covers_are_skipped_by_the_copy_s_index():
+    # The copy's KVIndex is the one place that orders its batches: after a gap and the snapshot
+    # fetched for it, the stream's older batches (inside the snapshot) are no new gap.
+    log = EventLog()
+    log.publish(stored("a", 0, [1]))
+    state = RoutingState("kv_events", 16)
+    state.apply(log.poll(None, 0))
+    log.publish(stored("a", 1, [2]))
+    delayed = log.poll(state.instance, state.cursor)  # batch 1 reaches the copy only at the end
+    log.publish(stored("a", 2, [3]))
+    assert state.apply(log.poll(state.instance, delayed.cursor)) == ["a"]  # batch 2 after 0: a gap
+    state.apply_snapshot(log.snapshot("a"))
+    assert state.apply(delayed) == []  # batch 1, inside the snapshot: skipped
+    assert state.router.index.overlap([1, 2, 3]) == {"a": 3}
+
+
+def test_a_copy_resyncing_from_a_restarted_hub_keeps_only_the_workers_it_reports():
+    old = EventLog()
+    old.publish(stored("a", 0, [1, 2]))
+    old.publish(stored("b", 0, [5]))
+    state = RoutingState("kv_events", 16)
+    state.apply(old.poll(None, 0))
+    restarted = EventLog()  # another instance: the copy's cursor means nothing there
+    restarted.publish_snapshot(KVSnapshot("a", 7, 4, [1, 2, 3]))
+    assert state.apply(restarted.poll(state.instance, state.cursor)) == []
+    assert state.instance == restarted.instance
+    assert sorted(state.router.worker_ids()) == ["a"]
+    assert state.router.index.overlap([1, 2, 3]) == {"a": 3}

@@ -82,7 +82,8 @@ def test_with_silence_unmeasured_only_a_stalled_report_demotes():
     state = RoutingState("kv_events", 16, clock=lambda: 1e6, stale_load_s=None)
     state.apply(log.poll(state.instance, state.cursor))
     assert state.stale_workers(now=2e6) == set()
-    log.update_load(WorkerLoad("holder", kv_free_blocks=100, kv_total_blocks=100, timestamp=2.0, stalled=True))
+    log.update_load(WorkerLoad("holder", kv_free_blocks=100, kv_total_blocks=100, timestamp=2.0,
+                               stalled=True))
     state.apply(log.poll(state.instance, state.cursor))
     assert state.stale_workers(now=2e6) == {"holder"}
 
