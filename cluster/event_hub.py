@@ -1,4 +1,4 @@
-"""The KV event hub: a named Ray actor holding the cluster's EventLog (event_log.py).
+"""The KV event hub: a named Ray actor holding the cluster's EventLog (router/event_log.py).
 
 Workers publish to it and every router copy long-polls it, so all copies see the same ordered
 stream. It is found by name (`kvmesh-kv-events-<app>` in the "serve" namespace) and created by
@@ -13,8 +13,8 @@ import asyncio
 
 import ray
 
-from kvmesh.cluster.event_log import EventLog, PollResult
 from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
+from kvmesh.router.event_log import EventLog, PollResult
 
 NAMESPACE = "serve"
 SILENCE_S = 30.0  # a worker that publishes nothing (not even a load) this long is dropped

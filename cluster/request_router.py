@@ -2,11 +2,11 @@
 
 Serve builds one copy per process that holds a handle to the workers (each ingress replica). Each
 copy consumes the whole KV event stream from the hub (long polls, in a task on the router's event
-loop) into its RoutingState, so all copies route from the same index; a copy that starts late or
-falls behind resyncs from the hub's snapshots. For each request, `choose_replicas` ranks the
-candidate replicas with the configured kvmesh policy on the request's block hashes
-(`pending_request.args[0]` is the RoutedRequest) and returns one replica per rank: Serve tries the
-best first and spills over to the next when a replica is at max_ongoing_requests.
+loop) into its RoutingState (router/routing_state.py), so all copies route from the same index; a
+copy that starts late or falls behind resyncs from the hub's snapshots. For each request,
+`choose_replicas` ranks the candidate replicas with the configured kvmesh policy on the request's
+block hashes (`pending_request.args[0]` is the RoutedRequest) and returns one replica per rank:
+Serve tries the best first and spills over to the next when a replica is at max_ongoing_requests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from kvmesh.cluster import process_metrics
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import RoutedRequest
-from kvmesh.cluster.routing_state import RoutingState
+from kvmesh.router.routing_state import RoutingState
 
 logger = logging.getLogger("kvmesh.cluster")
 
@@ -88,7 +88,8 @@ class KVAwareRequestRouter(RequestRouter):
             logger.warning("kvmesh route %s: %s synced=%s cursor=%s overlap=%s loads=%s",
                            routed.request_id, order, self._synced.is_set(), self.state.cursor,
                            self.state.router.index.overlap(routed.block_hashes),
-                           {w: (l.running, l.waiting, l.waiting_prefill_tokens) for w, l in self.state.loads.items()})
+                           {w: (l.running, l.waiting, l.waiting_prefill_tokens)
+                            for w, l in self.state.loads().items()})
         return [[by_id[w]] for w in order]
 
     def update_replicas(self, replicas: list[RunningReplica]):

@@ -179,7 +179,7 @@ class KVWorker:
                 batches = self.loop.take_kv_batches()
             try:
                 # Stamped now: an idle engine's load does not change, but routers must still see
-                # the heartbeat (a load that stops changing marks a stalled replica, routing_state).
+                # the heartbeat (a load that stops changing marks a stalled replica, router/routing_state.py).
                 ok = await self.hub.publish.remote(batches, self.current_load(), self._stats(), block_size)
                 if not ok:
                     snap = await self.loop.snapshot()

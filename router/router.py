@@ -51,14 +51,27 @@ class Router:
             self.index.remove_worker(worker_id)
             self.policy.remove_worker(worker_id)
 
-    def update_load(self, load: WorkerLoad) -> None:
-        """Latest load of a worker; an unknown worker is added (with the default cap)."""
+    def update_load(self, load: WorkerLoad, now: float | None = None) -> None:
+        """Latest load of a worker; an unknown worker is added (with the default cap). `now`: the
+        caller's clock, to note when the worker's reports last changed (WorkerState.reported_at)."""
         with self._lock:
             if load.worker_id not in self.workers:
                 self.workers.add(load.worker_id, cap=self.default_cap)
                 self.index.add_worker(load.worker_id)
                 self.policy.add_worker(load.worker_id)
-            self.workers.update_load(load)
+            self.workers.update_load(load, now)
+
+    def count_routed(self, worker_id: str, block_hashes: Sequence[int], num_prompt_tokens: int) -> None:
+        """Add a request just routed to `worker_id` to its load, until the worker's next report: its
+        prompt tokens past what the index shows cached there are queued prefill (at least one). For
+        a router whose loads come in periodic reports (the cluster's copies): a burst routed
+        between two reports is then spread by load instead of all landing on the worker that looked
+        idlest at the last one. An unknown worker is ignored."""
+        with self._lock:
+            if worker_id not in self.workers:
+                return
+            cached = self.index.overlap(block_hashes, [worker_id]).get(worker_id, 0)
+            self.workers.add_routed(worker_id, max(1, num_prompt_tokens - cached * self.block_size))
 
     def set_healthy(self, worker_id: str, healthy: bool) -> None:
         with self._lock:

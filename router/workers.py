@@ -4,11 +4,15 @@ numpy columns so that a policy scores 1024 workers in a few vectorized operation
 A worker is *eligible* for a new request when it is healthy and below its cap (outstanding requests =
 running + waiting < cap). Policies rank eligible workers first; full-but-healthy workers follow (least
 outstanding first) as spill-over; unhealthy workers are never returned.
+
+A Router's WorkerSet is the one holder of its workers' loads: the last report, what the router
+counted since (`add_routed`) and when a report last changed (`WorkerState.reported_at`); the
+cluster's router copies and the simulator read them from here.
 """
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,6 +25,9 @@ class WorkerState:
     load: WorkerLoad = None  # type: ignore[assignment]  # filled in __post_init__
     healthy: bool = True
     cap: int | None = None  # max outstanding (running + waiting) requests; None = no cap
+    # When (on the clock of whoever passes `now` to WorkerSet.update_load) a report with a new
+    # timestamp last arrived: a worker whose reports stop changing is stalled or dying.
+    reported_at: float | None = None
 
     def __post_init__(self):
         if self.load is None:
@@ -173,11 +180,26 @@ class WorkerSet(Sequence[WorkerState]):
         self._id_array[last] = None
         self._n -= 1
 
-    def update_load(self, load: WorkerLoad) -> None:
+    def update_load(self, load: WorkerLoad, now: float | None = None) -> None:
+        """The worker's latest report; with `now`, a report whose timestamp changed is noted as
+        heard at `now` (`WorkerState.reported_at`)."""
         i = self._pos.get(load.worker_id)
         if i is None:
             raise KeyError(f"unknown worker {load.worker_id!r}: add_worker() it first")
-        self._states[i].load = load
+        state = self._states[i]
+        if now is not None and (state.reported_at is None or load.timestamp != state.load.timestamp):
+            state.reported_at = now
+        state.load = load
+        self._write(i)
+
+    def add_routed(self, worker_id: str, prefill_tokens: int) -> None:
+        """Count a request just routed to the worker in its load (one more waiting request,
+        `prefill_tokens` more queued) until its next report, which then includes it. The report's
+        timestamp is kept: this is not news from the worker."""
+        i = self._pos[worker_id]
+        load = self._states[i].load
+        self._states[i].load = replace(load, waiting=load.waiting + 1,
+                                       waiting_prefill_tokens=load.waiting_prefill_tokens + prefill_tokens)
         self._write(i)
 
     def set_cap(self, worker_id: str, cap: int | None) -> None:

@@ -51,12 +51,10 @@ def register(subparsers) -> None:
     p.add_argument("--loads-with-events", action="store_true",
                    help="with --router-copies: a worker's load also travels with every event batch, "
                         "as the cluster's worker sends it")
-    p.add_argument("--no-recent-routes", action="store_true",
-                   help="with --router-copies: the copies have no recent-route preference")
     p.add_argument("--autoscale", metavar="POLICY",
                    help="instead of comparing routing policies: run this autoscaling policy (queue, "
                         "kv_pressure, ttft_slo, ...) over a bursty trace whose peak is --load of --workers "
-                        "replicas, against a fixed fleet of --workers (router/sim/autoscale.py)")
+                        "replicas, against a fixed fleet of --workers (cluster/autoscale_sim.py)")
     p.add_argument("--autoscale-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="with --autoscale: an autoscaling config field (min_replicas=0, upscale_delay_s=5, "
                         "ttft_p90_target_s=1.0, ...), startup_s, tick_s, max_ongoing_requests, or the "
@@ -95,8 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                        max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed,
                        router_copies=args.router_copies, report_interval_s=args.report_interval_s,
-                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events,
-                       recent_ttl_s=None if args.no_recent_routes else 2.0)
+                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events)
     options = parse_workload_options(args.workload_opt)
     if args.autoscale:
         return _run_autoscale(args, config, load, options)
@@ -130,7 +127,7 @@ def _run_seeds(args: argparse.Namespace, policies: list[str], config, seeds: lis
 
 
 def _run_autoscale(args: argparse.Namespace, config, load, options: dict) -> int:
-    from kvmesh.router.sim.autoscale import format_autoscale_table, run_from_options
+    from kvmesh.cluster.autoscale_sim import format_autoscale_table, run_from_options
     from kvmesh.router.sim.workloads import make_workload
 
     workload = make_workload(args.workload, args.requests, seed=args.seed,

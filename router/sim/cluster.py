@@ -4,7 +4,8 @@ and loads flow back into that same Router, as they do in the cluster.
 Decision latency is the wall-clock time of `Router.route_request` (lock, index lookup, policy).
 
 With `router_copies` > 0 the arrivals are routed instead as the serving cluster routes them: by that
-many of the cluster's own RoutingState copies in turn, fed late through its EventLog (copies.py).
+many RoutingState copies in turn (router/routing_state.py, as the cluster's ingress replicas hold),
+fed late through an EventLog (copies.py).
 """
 
 import heapq
@@ -37,7 +38,6 @@ class SimConfig:
     report_interval_s: float = 0.05  # a worker's load reaches the copies this often
     event_delay_s: float = 0.0  # worker -> hub -> copy: a publication reaches the copies this late
     loads_with_events: bool = False  # the load also travels with every batch (cluster/worker.py)
-    recent_ttl_s: float | None = 2.0  # the copies' recent-route preference (RecentRoutes); None: off
 
     def __post_init__(self):
         for name in ("num_workers", "max_batch", "max_batched_tokens", "block_size"):
@@ -74,7 +74,7 @@ class SimResult:
 def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool = False,
              routing_state=None, **policy_kwargs) -> SimResult:
     """Run `workload` (arrivals already assigned) through a cluster routed by `policy`.
-    `routing_state`: the class of the router copies (default the cluster's RoutingState), with
+    `routing_state`: the class of the router copies (default RoutingState), with
     `config.router_copies`; `policy_kwargs` go to the single Router otherwise."""
     if workload.block_size != config.block_size:
         raise ValueError(f"workload hashed with block_size {workload.block_size}, "

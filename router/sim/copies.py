@@ -2,11 +2,12 @@
 fed late through a real `EventLog`, as the cluster's ingress replicas are.
 
 In the cluster (cluster/request_router.py, cluster/worker.py `_publish_forever`) each ingress replica
-holds its own RoutingState (a Router plus the recent-route preference, its own load increments for
-what it routed since the last report, stale-worker demotion); Serve's proxy spreads requests across
-the replicas; every worker publishes its KV event batches and its load to the hub, and every copy
-polls the hub. So a copy routes on loads up to a report interval old, on an index that lags each
-step by the trip worker -> hub -> copy, and knows nothing of what the other copies just routed.
+holds its own RoutingState (a Router with the kv_events policy's record of prefixes in flight, its
+own load increments for what it routed since the last report, stale-worker demotion); Serve's proxy
+spreads requests across the replicas; every worker publishes its KV event batches and its load to
+the hub, and every copy polls the hub. So a copy routes on loads up to a report interval old, on an
+index that lags each step by the trip worker -> hub -> copy, and knows nothing of what the other
+copies just routed.
 
 Here: a publication a worker makes at time t (the KV event batch of a step that ended at t, and its
 load every `report_interval_s`, or with every batch too under `loads_with_events`, as the cluster's
@@ -15,11 +16,10 @@ it (the copies long-poll, so they all get it at once). Requests go to copy k mod
 spill-over at max_ongoing_requests (`cap`, checked against the worker's true queue) picks the first
 rank with room; the copies themselves have no cap, as in cluster/app.py.
 
-Two things of RoutingState are made simulation-safe, per copy: its policy's tie-breaking generator is
-seeded from `config.seed` and the copy's number (the cluster's copies are unseeded; a simulation must
-repeat), and stale-worker demotion is off (it measures silence on the wall clock, which here would
-measure only the host's hiccups: every simulated worker reports at every tick and never stalls).
-Its RecentRoutes is given the simulated clock.
+Each copy is a RoutingState made simulation-safe through its constructor: its policy's
+tie-breaking generator is seeded from `config.seed` and the copy's number (the cluster's copies are
+unseeded; a simulation must repeat), it hears loads on the simulated clock, and silence is not
+measured (stale-worker demotion off: every simulated worker reports at every tick and never stalls).
 """
 
 from __future__ import annotations
@@ -27,19 +27,12 @@ from __future__ import annotations
 import heapq
 import time
 
-import numpy as np
-
-from kvmesh.cluster.event_log import EventLog
-from kvmesh.cluster.recent_routes import RecentRoutes
-from kvmesh.cluster.routing_state import RoutingState
 from kvmesh.protocol import KVSnapshot
+from kvmesh.router.event_log import EventLog
+from kvmesh.router.routing_state import RoutingState
 
 # At one instant a tick (reads the workers) comes before a delivery (writes the copies): independent.
 _TICK, _DELIVER = 0, 1
-
-
-def _never_stale(now: float | None = None) -> set[str]:
-    return set()
 
 
 class RouterCopies:
@@ -54,19 +47,10 @@ class RouterCopies:
         self.workers = {w.worker_id: w for w in workers}
         self.worker_ids = list(self.workers)
         self.now = 0.0
-        self.log = EventLog(clock=lambda: self.now)
-        self.copies = []
-        for number in range(config.router_copies):
-            state = state_class(policy, config.block_size, cap=None)
-            if hasattr(state.router.policy, "_rng"):
-                state.router.policy._rng = np.random.default_rng([config.seed, number])
-            state.stale_workers = _never_stale
-            if state.recent is not None:
-                if config.recent_ttl_s is None:
-                    state.recent = None
-                else:
-                    state.recent = RecentRoutes(ttl_s=config.recent_ttl_s, clock=lambda: self.now)
-            self.copies.append(state)
+        self.log = EventLog(clock=self._clock)
+        self.copies = [state_class(policy, config.block_size, cap=None, seed=[config.seed, number],
+                                   clock=self._clock, stale_load_s=None)
+                       for number in range(config.router_copies)]
         self.routed = 0
         self._queue: list = []  # (time, kind, order, payload)
         self._order = 0
@@ -76,6 +60,9 @@ class RouterCopies:
         self._poll_all()
         if config.report_interval_s > 0:
             self._push(config.report_interval_s, _TICK, None)
+
+    def _clock(self) -> float:
+        return self.now
 
     @property
     def router(self):

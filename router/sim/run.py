@@ -80,8 +80,7 @@ def _config_dict(workload: Workload, config: SimConfig, capacity: float, load, r
     copies = {}
     if config.router_copies:
         copies = {"router_copies": config.router_copies, "report_interval_s": config.report_interval_s,
-                  "event_delay_s": config.event_delay_s, "loads_with_events": config.loads_with_events,
-                  "recent_ttl_s": config.recent_ttl_s}
+                  "event_delay_s": config.event_delay_s, "loads_with_events": config.loads_with_events}
     return {
         "workers": config.num_workers,
         "workload": workload.name,

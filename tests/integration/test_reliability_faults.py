@@ -26,9 +26,9 @@ import grpc
 import pytest
 
 from kvmesh.bench.traffic import Traffic, summarize
-from kvmesh.cluster.routing_state import STALE_LOAD_S
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.router.routing_state import STALE_LOAD_S
 from kvmesh.serve_config import ServeConfig
 from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import (ReplicaProcesses, engine_process_of, http, metrics, per_worker,

@@ -9,7 +9,7 @@ from kvmesh.cluster.autoscaling import (ITL_P90, KV_FREE_RATIO, RUNNING, TTFT_P9
                                         ITLSLOPolicy, KVPressurePolicy, OngoingRequestsPolicy,
                                         QueuePolicy, TTFTSLOPolicy, build_policy,
                                         replicas_for_requests, serve_autoscaling_config)
-from kvmesh.router.sim.serve_policy import ServePolicy
+from kvmesh.cluster.serve_policy import ServePolicy
 from kvmesh.serve_config import AutoscalingSection
 
 

@@ -1,11 +1,11 @@
 """The KV event stream of the cluster without Ray: workers publish into the EventLog, router copies
 poll it into RoutingState (a real kvmesh.router.Router), late copies resync from snapshots, and a
-just-routed prefix is preferred before its events arrive."""
+just-routed prefix is preferred before its events arrive (the kv_events policy's record of prefixes
+in flight, router/pending.py, the one such mechanism)."""
 
-from kvmesh.cluster.event_log import EventLog, WorkerGone
-from kvmesh.cluster.recent_routes import RecentRoutes
-from kvmesh.cluster.routing_state import RoutingState
 from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot, WorkerLoad
+from kvmesh.router.event_log import EventLog, WorkerGone
+from kvmesh.router.routing_state import RoutingState
 
 
 def stored(worker, seq, hashes, epoch=7):
@@ -86,26 +86,32 @@ def test_round_robin_copies_alternate():
 
 
 def test_a_just_routed_prefix_goes_to_the_same_worker_before_its_events_arrive():
+    # The kv_events policy credits the worker computing a shared prefix for an earlier request
+    # (1 per shared token in flight): here that credit (38 blocks, 608 tokens) outweighs the load
+    # the first request put there (one running request: ~309), and nothing else does.
     state = RoutingState("kv_events", 16, cap=8)
-    prompt = list(range(100, 120))
-    first = state.rank(prompt, 330, None, ["a", "b"])[0]
+    prompt = list(range(100, 140))  # 40 blocks
+    first = state.rank(prompt, 650, None, ["a", "b"])[0]
     # the worker reports the first request prefilled (running) before its KV events arrive
-    state.router.update_load(WorkerLoad(first, running=1, running_decode_tokens=331,
+    state.router.update_load(WorkerLoad(first, running=1, running_decode_tokens=651,
                                         kv_free_blocks=80, kv_total_blocks=100))
-    second = state.rank(prompt[:18] + [7, 8], 330, None, ["a", "b"])[0]
+    second = state.rank(prompt[:38] + [7, 8], 650, None, ["a", "b"])[0]
     assert second == first
 
 
 def test_a_follow_up_sent_before_any_new_report_goes_to_the_worker_computing_its_prefix():
-    # No report between the two requests: this copy's own view of the first worker's queue still
-    # holds the first request's prompt, which must not push its follow-up to the other worker.
+    # No report between the two requests: this copy's own count of the first worker's queue holds
+    # the first request's prompt (429 tokens, one waiting request). The other worker reported a
+    # smaller queue (200 tokens, one waiting), so on load alone the follow-up would go there; the
+    # 416 tokens in flight on the first worker bring it back.
     state = RoutingState("kv_events", 16, cap=8)
-    for w in ("a", "b"):
-        state.router.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100))
+    state.router.update_load(WorkerLoad("a", kv_free_blocks=100, kv_total_blocks=100))
+    state.router.update_load(WorkerLoad("b", waiting=1, waiting_prefill_tokens=200,
+                                        kv_free_blocks=100, kv_total_blocks=100))
     prompt = list(range(100, 127))  # 27 blocks of 16 tokens: 429 tokens
-    first = state.rank(prompt, 429, None, ["a", "b"])[0]
-    second = state.rank(prompt[:26] + [7], 429, None, ["a", "b"])[0]
-    assert second == first
+    assert state.rank(prompt, 429, None, ["a", "b"])[0] == "a"
+    assert state.loads()["a"].waiting_prefill_tokens == 429  # counted by the copy until a report
+    assert state.rank(prompt[:26] + [7], 429, None, ["a", "b"])[0] == "a"
 
 
 def test_a_burst_between_load_reports_is_spread_by_the_load_it_adds():
@@ -116,21 +122,11 @@ def test_a_burst_between_load_reports_is_spread_by_the_load_it_adds():
     assert sorted(picks) == ["a", "a", "b", "b"]
 
 
-def test_recent_routes_expire_and_stop_at_a_different_worker():
-    now = [0.0]
-    recent = RecentRoutes(ttl_s=2.0, clock=lambda: now[0])
-    recent.record([1, 2, 3], "a")
-    recent.record([1, 2, 9], "b")  # the newer route of the shared blocks wins
-    assert recent.match([1, 2, 3]) == ("b", 2)
-    now[0] = 5.0
-    assert recent.match([1, 2, 3]) == (None, 0)
-
-
-def test_a_recent_route_does_not_override_the_load_balance_once_the_index_shows_the_prefix():
-    # The recent-route preference bridges the moments before a prefix's KV events arrive. Once the
-    # index shows the prefix on its worker, the policy's cost (which counts that cache hit against
-    # the worker's load) decides alone: a worker busy decoding, with no prompt queued at its last
-    # report, must not keep every request of its prefix.
+def test_a_just_routed_prefix_does_not_override_the_load_balance_once_the_index_shows_it():
+    # The record of prefixes in flight bridges the moments before a prefix's KV events arrive. Once
+    # the index shows the prefix on its worker, the policy's cost (which counts that cache hit
+    # against the worker's load) decides alone: a worker busy decoding, with no prompt queued at
+    # its last report, must not keep every request of its prefix.
     log = EventLog()
     prompt = list(range(100, 120))  # 20 blocks of 16 tokens
     log.publish(stored("a", 0, prompt))
@@ -139,8 +135,38 @@ def test_a_recent_route_does_not_override_the_load_balance_once_the_index_shows_
         log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100))
     state = RoutingState("kv_events", 16, cap=256)
     state.apply(log.poll(None, 0))
-    assert state.rank(prompt, 320, None, ["a", "b"])[0] == "a"  # cached there (and now a recent route)
+    assert state.rank(prompt, 320, None, ["a", "b"])[0] == "a"  # cached there (and now just routed)
     log.update_load(WorkerLoad("a", running=60, running_decode_tokens=60 * 331,
                                kv_free_blocks=50, kv_total_blocks=100))
     state.apply(log.poll(state.instance, state.cursor))
     assert state.rank(prompt, 320, None, ["a", "b"])[0] == "b"
+
+
+def test_batches_a_fetched_snapshot_already_covers_are_skipped_by_the_copy_s_index():
+    # The copy's KVIndex is the one place that orders its batches: after a gap and the snapshot
+    # fetched for it, the stream's older batches (inside the snapshot) are no new gap.
+    log = EventLog()
+    log.publish(stored("a", 0, [1]))
+    state = RoutingState("kv_events", 16)
+    state.apply(log.poll(None, 0))
+    log.publish(stored("a", 1, [2]))
+    delayed = log.poll(state.instance, state.cursor)  # batch 1 reaches the copy only at the end
+    log.publish(stored("a", 2, [3]))
+    assert state.apply(log.poll(state.instance, delayed.cursor)) == ["a"]  # batch 2 after 0: a gap
+    state.apply_snapshot(log.snapshot("a"))
+    assert state.apply(delayed) == []  # batch 1, inside the snapshot: skipped
+    assert state.router.index.overlap([1, 2, 3]) == {"a": 3}
+
+
+def test_a_copy_resyncing_from_a_restarted_hub_keeps_only_the_workers_it_reports():
+    old = EventLog()
+    old.publish(stored("a", 0, [1, 2]))
+    old.publish(stored("b", 0, [5]))
+    state = RoutingState("kv_events", 16)
+    state.apply(old.poll(None, 0))
+    restarted = EventLog()  # another instance: the copy's cursor means nothing there
+    restarted.publish_snapshot(KVSnapshot("a", 7, 4, [1, 2, 3]))
+    assert state.apply(restarted.poll(state.instance, state.cursor)) == []
+    assert state.instance == restarted.instance
+    assert sorted(state.router.worker_ids()) == ["a"]
+    assert state.router.index.overlap([1, 2, 3]) == {"a": 3}

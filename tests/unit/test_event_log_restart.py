@@ -2,7 +2,7 @@
 (regression: update_load of an unknown worker was silently dropped, so an idle worker stayed out of
 a restarted hub, and of every router copy and /metrics, until its next KV event)."""
 
-from kvmesh.cluster.event_log import EventLog
+from kvmesh.router.event_log import EventLog
 from kvmesh.protocol import KVSnapshot, WorkerLoad
 
 

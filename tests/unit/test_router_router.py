@@ -97,3 +97,32 @@ def test_adding_a_known_worker_again_keeps_its_health_load_and_blocks():
     assert router.index.overlap(H) == {"a": 8}
     router.add_worker("a", cap=2)
     assert router.worker_state("a").cap == 2
+
+
+def test_a_routed_request_counts_in_its_worker_s_load_until_the_next_report():
+    router = Router(policy="least_loaded", seed=0)
+    router.add_worker("a")
+    router.on_events(stored("a", 0, H[:3]))  # 3 of the prompt's 8 blocks cached there
+    router.update_load(WorkerLoad("a", waiting=1, waiting_prefill_tokens=50, timestamp=7.0))
+    router.count_routed("a", H, len(PROMPT))
+    load = router.worker_state("a").load
+    assert (load.waiting, load.waiting_prefill_tokens, load.timestamp) == (2, 50 + 5 * B, 7.0)
+    router.count_routed("a", H[:3], 3 * B)  # all cached: still one token to compute
+    assert router.worker_state("a").load.waiting_prefill_tokens == 50 + 5 * B + 1
+    router.count_routed("unknown", H, len(PROMPT))  # ignored
+    router.update_load(WorkerLoad("a", waiting=0, timestamp=8.0))  # the report replaces the count
+    assert router.worker_state("a").load.waiting == 0
+
+
+def test_the_time_a_worker_s_reports_last_changed_is_noted_with_the_caller_s_clock():
+    router = Router(seed=0)
+    router.update_load(WorkerLoad("a", timestamp=1.0))  # no clock given: nothing noted
+    assert router.worker_state("a").reported_at is None
+    router.update_load(WorkerLoad("a", timestamp=1.0), now=10.0)
+    router.update_load(WorkerLoad("a", timestamp=1.0, running=3), now=20.0)  # same report time
+    assert router.worker_state("a").reported_at == 10.0
+    router.count_routed("a", H, len(PROMPT))  # this router's own count is not news from the worker
+    router.update_load(router.worker_state("a").load, now=30.0)
+    assert router.worker_state("a").reported_at == 10.0
+    router.update_load(WorkerLoad("a", timestamp=2.0), now=40.0)
+    assert router.worker_state("a").reported_at == 40.0

@@ -2,23 +2,23 @@
 still report, within STALE_LOAD_S, even when it holds the request's whole prefix (regression: cache
 affinity kept sending new requests to a stalled replica, where they waited until it resumed)."""
 
-from kvmesh.cluster import routing_state
-from kvmesh.cluster.event_log import EventLog
-from kvmesh.cluster.routing_state import RoutingState
+import pytest
+
 from kvmesh.hashing import block_hashes
 from kvmesh.protocol import KVSnapshot, WorkerLoad
+from kvmesh.router.event_log import EventLog
+from kvmesh.router.routing_state import RoutingState
 
 PROMPT = list(range(64))
 HASHES = block_hashes(PROMPT, 16)
 
 
-def test_a_worker_whose_load_stops_changing_is_ranked_last(monkeypatch):
+def test_a_worker_whose_load_stops_changing_is_ranked_last():
     clock = {"now": 100.0}
-    monkeypatch.setattr(routing_state.time, "monotonic", lambda: clock["now"])
     log = EventLog()
     log.publish_snapshot(KVSnapshot("holder", 1, 0, HASHES, 16))  # holds the whole prefix
     log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
-    state = RoutingState("kv_events", 16)
+    state = RoutingState("kv_events", 16, clock=lambda: clock["now"], stale_load_s=3.0)
 
     def report(t, workers):
         for w in workers:
@@ -70,3 +70,25 @@ def test_a_worker_whose_engine_died_under_the_request_is_ranked_last_for_its_ret
     state.apply(log.poll(state.instance, state.cursor))
     assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"])[0] == "holder"
     assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"], avoid=["holder"]) == ["other", "holder"]
+
+
+def test_with_silence_unmeasured_only_a_stalled_report_demotes():
+    """A simulation's copies (stale_load_s=None): a worker whose reports stop changing is not
+    demoted, one whose report says stalled still is."""
+    log = EventLog()
+    for w in ("holder", "other"):
+        log.publish_snapshot(KVSnapshot(w, 1, 0, HASHES if w == "holder" else [], 16))
+        log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=1.0))
+    state = RoutingState("kv_events", 16, clock=lambda: 1e6, stale_load_s=None)
+    state.apply(log.poll(state.instance, state.cursor))
+    assert state.stale_workers(now=2e6) == set()
+    log.update_load(WorkerLoad("holder", kv_free_blocks=100, kv_total_blocks=100, timestamp=2.0,
+                               stalled=True))
+    state.apply(log.poll(state.instance, state.cursor))
+    assert state.stale_workers(now=2e6) == {"holder"}
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_a_stale_limit_must_be_positive(bad):
+    with pytest.raises(ValueError, match="stale_load_s must be > 0"):
+        RoutingState("kv_events", 16, stale_load_s=bad)

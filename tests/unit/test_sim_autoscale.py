@@ -4,7 +4,7 @@ and an autoscaled fleet that starts from zero replicas, serves every request and
 import numpy as np
 import pytest
 
-from kvmesh.router.sim.autoscale import BurstProfile, run_from_options
+from kvmesh.cluster.autoscale_sim import BurstProfile, run_from_options
 from kvmesh.router.sim.cluster import SimConfig
 from kvmesh.router.sim.workloads import make_workload
 

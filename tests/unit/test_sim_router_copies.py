@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvmesh.cluster.routing_state import RoutingState
+from kvmesh.router.routing_state import RoutingState
 from kvmesh.hashing import block_hashes
 from kvmesh.router.sim.calibration import CostModel
 from kvmesh.router.sim.cluster import SimConfig, simulate
@@ -169,20 +169,20 @@ def test_the_sim_command_takes_the_router_copy_flags(capsys):
              "--workload-opt", "suffix_tokens=(16,32)", "--workload-opt", "output_tokens=(4,8)"]
     assert main(["sim", "--policy", "kv_events", "--json", "--load", "0.5", "--router-copies", "2",
                  "--report-interval-s", "0.02", "--event-delay-s", "0.01", "--loads-with-events",
-                 "--no-recent-routes", *small]) == 0
+                 *small]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {k: report["config"][k] for k in ("router_copies", "report_interval_s", "event_delay_s",
-                                             "loads_with_events", "recent_ttl_s")} == {
-        "router_copies": 2, "report_interval_s": 0.02, "event_delay_s": 0.01,
-        "loads_with_events": True, "recent_ttl_s": None}
+                                             "loads_with_events")} == {
+        "router_copies": 2, "report_interval_s": 0.02, "event_delay_s": 0.01, "loads_with_events": True}
     assert report["policies"]["kv_events"]["requests"] == 40
     assert main(["sim", "--router-copies", "-1", *small]) == 2  # one-line error
 
 
-def test_the_recent_route_preference_runs_on_simulated_time_or_is_off():
-    on = RouterCopies(dataclasses.replace(CONFIG, router_copies=2), "kv_events", workers())
-    on.route([1, 2, 3], 48, None, now=5.0)
-    assert all(state.recent.clock() == 5.0 for state in on.copies)
-    off = RouterCopies(dataclasses.replace(CONFIG, router_copies=2, recent_ttl_s=None), "kv_events",
-                       workers())
-    assert all(state.recent is None for state in off.copies)
+def test_the_copies_hear_loads_on_simulated_time_and_never_go_stale():
+    config = dataclasses.replace(CONFIG, router_copies=2, report_interval_s=0.05)
+    copies = RouterCopies(config, "kv_events", workers())
+    copies.fire()  # the report sampled at 0.05 ...
+    copies.fire()  # ... delivered at 0.05
+    for state in copies.copies:
+        assert state.router.worker_state("w0").reported_at == pytest.approx(0.05)
+        assert state.stale_workers(now=1e9) == set()  # silence is not measured in a simulation

@@ -6,7 +6,12 @@ Workers publish here (`publish`, `publish_snapshot`, `update_load`); each router
 worker's cached block set, so a router copy that is late (its cursor fell off the bounded log), new,
 or talking to a restarted hub (another `instance`) gets a snapshot of every worker instead and goes
 on from there. A worker whose batch does not follow its last one (a lost batch, a restarted hub) is
-told to send a snapshot. Plain Python, no Ray: the actor in event_hub.py wraps it.
+told to send a snapshot. Plain Python, no Ray: the hub actor (cluster/event_hub.py) wraps it, and
+the simulator's router copies (router/sim/copies.py) use it as is.
+
+Order: the log is the consumer of the workers' publications, and `publish` is the one place that
+orders them by (epoch, seq) for the stream; each router copy's KVIndex (router/index.py) is the one
+place that orders the stream's batches for that copy.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ class PollResult:
     instance: str
     cursor: int  # pass back on the next poll
     entries: list  # KVEventBatch | KVSnapshot | WorkerGone, in log order
-    loads: dict[str, WorkerLoad]
-    stats: dict[str, dict]  # worker_id -> counters for metrics (prompt / cached tokens, ...)
+    loads: dict[str, WorkerLoad]  # every known worker's latest report
     resync: bool = False  # entries are one snapshot per live worker (the cursor was invalid)
 
 
@@ -139,6 +143,8 @@ class EventLog:
         return {wid: w.load for wid, w in self._workers.items() if w.load is not None}
 
     def stats(self) -> dict[str, dict]:
+        """Worker -> its counters (prompt / cached tokens, steps, ...), for /metrics and `kvmesh
+        status` through the hub; router copies do not route on them and are not sent them."""
         return {wid: dict(w.stats) for wid, w in self._workers.items()}
 
     # ---- internals ---------------------------------------------------------------------------
@@ -157,4 +163,4 @@ class EventLog:
             self._entries.popleft()
 
     def _result(self, entries, resync: bool = False) -> PollResult:
-        return PollResult(self.instance, self.head, entries, self.loads(), self.stats(), resync)
+        return PollResult(self.instance, self.head, entries, self.loads(), resync)

@@ -28,7 +28,7 @@ from kvmesh.cluster.autoscaling import (ITL_P90, KV_FREE_RATIO, RUNNING, TTFT_P9
                                         build_policy, serve_autoscaling_config)
 from kvmesh.cluster.slo_window import p90
 from kvmesh.router.sim.capacity import capacity_req_s
-from kvmesh.router.sim.serve_policy import ServePolicy
+from kvmesh.cluster.serve_policy import ServePolicy
 from kvmesh.router.sim.worker import Job, SimWorker
 from kvmesh.router.sim.workloads import Workload
 from kvmesh.serve_config import AutoscalingSection
