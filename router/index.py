@@ -354,7 +354,8 @@ def _run_length(run_hashes: list[int], block_hashes: Sequence[int], start: int) 
             else:
                 hi = mid - 1
         length = lo
-    return length if block_hashes[start:start + length] == run_hashes[:length] else 1
+    stretch = run_hashes if length == len(run_hashes) else run_hashes[:length]
+    return length if block_hashes[start:start + length] == stretch else 1
 
 
 def _bits(mask: int):

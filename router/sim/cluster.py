@@ -1,7 +1,8 @@
 """The discrete-event loop: arrivals are routed by the real `Router`, workers step, their KV events
 and loads flow back into that same Router, as they do in the cluster.
 
-Decision latency is the wall-clock time of `Router.route_request` (lock, index lookup, policy).
+Decision latency is the wall-clock time of `Router.route_request(request, limit=1)` (lock, index walk,
+policy): the simulator uses only the choice, not the fallbacks of a full ranking.
 
 With `router_copies` > 0 the arrivals are routed instead as the serving cluster routes them: by that
 many of the cluster's own RoutingState copies in turn, fed late through its EventLog (copies.py).
@@ -143,7 +144,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
                 route_request = RouteRequest(request.prompt_hashes(config.block_size),
                                              request.prompt_len, request.session_key)
                 t0 = time.perf_counter_ns()
-                chosen = router.route_request(route_request)[0]
+                chosen = router.route_request(route_request, limit=1)[0]
                 decision_ns.append(time.perf_counter_ns() - t0)
             i = by_id[chosen]
             w = workers[i]
