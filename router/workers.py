@@ -221,13 +221,14 @@ class WorkerSet(Sequence[WorkerState]):
             self._update_orders(i)
 
     def _update_orders(self, i: int) -> None:
-        cols = self._store
+        state = self._states[i]
         key = None
-        if cols.eligible_column[i]:
-            key = LoadKey(float(cols.waiting_prefill_tokens[i]), float(cols.running_decode_tokens[i]),
-                          float(cols.kv_usage[i]), float(cols.outstanding[i]))
+        if state.eligible:  # the same values as the columns (float64 of the load's fields)
+            load = state.load
+            key = LoadKey(float(load.waiting_prefill_tokens), float(load.running_decode_tokens),
+                          float(load.kv_usage), float(load.running + load.waiting))
         for order in self._orders:
-            order.update(cols.ids[i], key)
+            order.update(state.worker_id, key)
 
     def columns(self) -> LoadColumns:
         """Views of the first len(self) rows (valid until the next add/remove; one object, shared by
