@@ -31,6 +31,9 @@ from kvmesh.router.workers import LoadColumns, WorkerSet, WorkerState, columns_o
 # Load-order buckets this close in cost (tokens) are all costed exactly: the order's sum and the cost's
 # differ by float rounding, so a bucket a rounding below another may tie with it in the exact cost.
 TIE_SLACK = 1e-6
+# When more than this fraction of the eligible workers hold part of the prompt (a system prompt every
+# worker caches), scoring holders one by one in Python costs more than the vectorized pass over all.
+FULL_PASS_HOLDERS = 0.125
 
 
 class KVEventsPolicy(Policy):
@@ -113,7 +116,10 @@ class KVEventsPolicy(Policy):
             workers.watch(self._order)
             self._watched = workers
         cols = workers.columns()
-        first, held, overlaps = self._choose(request, cols)
+        held, overlaps = self._holdings(request, cols)
+        if len(held) > FULL_PASS_HOLDERS * len(self._order):
+            return self._rank(request, workers, (held, overlaps))
+        first = self._choose(request, cols, held, overlaps)
         if first is None:
             return spill_over(cols), overlaps
         if k == 1:
@@ -124,14 +130,13 @@ class KVEventsPolicy(Policy):
         order = np.concatenate(([first], order[order != first]))
         return cols.ids_at(order) + spill_over(cols, cols.eligible), overlaps
 
-    def _choose(self, request: RouteRequest,
-                cols: LoadColumns) -> tuple[int | None, dict[int, float], dict[str, int]]:
-        """(the row chosen, None when no worker is eligible; held; overlaps), as the first of a full
+    def _choose(self, request: RouteRequest, cols: LoadColumns, held: dict[int, float],
+                overlaps: dict[str, int]) -> int | None:
+        """The row chosen (None when no worker is eligible), as the first of a full
         ranking: the cheapest eligible worker (a tie broken uniformly at random), or the holder that
         stays. Scores the eligible holders, the worker with the prefix in flight, and one member of
         each cheapest bucket of the load order (holders of none of the prefix)."""
         num_prompt_tokens = request.num_prompt_tokens
-        held, overlaps = self._holdings(request, cols)
         in_flight = self._in_flight(request, cols, overlaps)
         eligible = cols.eligible
         scored = {row: tokens for row, tokens in held.items() if eligible[row]}
@@ -141,7 +146,7 @@ class KVEventsPolicy(Policy):
         buckets = self._order.cheapest(excluded, TIE_SLACK)
         rows = list(scored) + [cols.row(bucket.members[0]) for bucket, _ in buckets]
         if not rows:
-            return None, held, overlaps
+            return None
         cached = np.zeros(len(rows), dtype=np.float64)  # 0 for the buckets' members
         cached[:len(scored)] = list(scored.values())
         cost = worker_costs(num_prompt_tokens, cached, cols, self.weights,
@@ -161,7 +166,7 @@ class KVEventsPolicy(Policy):
             stay = self._holder_that_stays(costs, held, eligible, best, num_prompt_tokens)
             if stay is not None:
                 best = stay
-        return best, held, overlaps
+        return best
 
     def _bucket_member(self, buckets: list, index: int, excluded: list[str], cols) -> int:
         """The row of the `index`-th worker (outside `excluded`) of `buckets`, [(bucket, count)]."""
@@ -183,11 +188,13 @@ class KVEventsPolicy(Policy):
             cost[in_flight[0]] -= self.weights.in_flight * in_flight[1]
         return cost
 
-    def _rank(self, request: RouteRequest,
-              workers: Sequence[WorkerState]) -> tuple[list[str], dict[str, int]]:
+    def _rank(self, request: RouteRequest, workers: Sequence[WorkerState],
+              holdings: tuple[dict[int, float], dict[str, int]] | None = None,
+              ) -> tuple[list[str], dict[str, int]]:
+        """The full ranking, every worker costed; `holdings`: _holdings' answer, when known."""
         num_prompt_tokens = request.num_prompt_tokens
         cols = columns_of(workers)
-        held, overlaps = self._holdings(request, cols)
+        held, overlaps = holdings or self._holdings(request, cols)
         cost = self._costs(request, cols, held, overlaps)
         use_margin = bool(held) and self.weights.stay_margin > 0
         if self.temperature > 0:
