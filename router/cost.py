@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmesh.router.load_order import LoadKey
 from kvmesh.router.workers import LoadColumns
 
 
@@ -67,15 +68,29 @@ class CostWeights:
 
 
 def worker_costs(num_prompt_tokens: int, cached_tokens: np.ndarray, cols: LoadColumns,
-                 weights: CostWeights) -> np.ndarray:
-    """[n] cost per worker; `cached_tokens[i]` = prompt tokens worker i holds (leading blocks)."""
+                 weights: CostWeights, rows: np.ndarray | None = None) -> np.ndarray:
+    """[n] cost per worker; `cached_tokens[i]` = prompt tokens worker i holds (leading blocks).
+    With `rows`: [len(rows)] the cost of those rows only (`cached_tokens` aligned with `rows`)."""
+    def column(values: np.ndarray) -> np.ndarray:
+        return values if rows is None else values[rows]
+
     cost = weights.prefill * (num_prompt_tokens - cached_tokens)
     if weights.queued_prefill:
-        cost += weights.queued_prefill * cols.waiting_prefill_tokens
+        cost += weights.queued_prefill * column(cols.waiting_prefill_tokens)
     if weights.running_decode:
-        cost += weights.running_decode * cols.running_decode_tokens
+        cost += weights.running_decode * column(cols.running_decode_tokens)
     if weights.kv_pressure:
-        cost += weights.kv_pressure * np.square(cols.kv_usage)
+        cost += weights.kv_pressure * np.square(column(cols.kv_usage))
     if weights.outstanding:
-        cost += weights.outstanding * cols.outstanding
+        cost += weights.outstanding * column(cols.outstanding)
     return cost
+
+
+def load_cost(key: LoadKey, weights: CostWeights) -> float:
+    """The part of every worker's cost that does not depend on the request: the order of the workers
+    that hold none of its prefix (kvmesh.router.load_order). Equal to worker_costs minus the prefill
+    term up to float rounding (the terms are summed in another order)."""
+    return (weights.queued_prefill * key.waiting_prefill_tokens
+            + weights.running_decode * key.running_decode_tokens
+            + weights.kv_pressure * key.kv_usage * key.kv_usage
+            + weights.outstanding * key.outstanding)

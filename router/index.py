@@ -7,13 +7,16 @@ had for it and asks for a snapshot (`apply` returns False) instead of guessing. 
 while the snapshot is on its way are kept (bounded) and replayed after it.
 
 Memory is bounded by `max_blocks` distinct hashes: when full, the least recently stored hash is dropped
-(for every worker that held it). A hash maps to a bitmask of worker slots (one Python int), which keeps
-an entry small even at 1024 workers, and each worker keeps the set of its hashes so that removing it
-costs O(its blocks). Not thread-safe: `Router` holds the lock.
+(for every worker that held it). A hash maps to its *run*: the blocks stored together that have the
+same holders, with one bitmask of worker slots (a Python int) for all of them, which keeps an entry
+small even at 1024 workers. A store or removal that covers part of a run splits it, so a lookup
+answers for a whole stretch of a prompt: `overlap` costs a dict lookup per run, not per block. Each
+worker keeps the set of its hashes so that removing it costs O(its blocks). Not thread-safe: `Router`
+holds the lock.
 """
 
 import sys
-from itertools import groupby, repeat, takewhile
+from itertools import groupby
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +37,18 @@ class _WorkerEntry:
     pending: list[KVEventBatch] = field(default_factory=list)
 
 
+class _Run:
+    """Blocks that have the same holders (`mask`, a bitmask of worker slots), in the order they were
+    stored: a chain segment when they came from one event. Every hash of `hashes` maps to this run in
+    the index, so a walk that finds a prompt's next blocks equal to a run's hashes knows their
+    holders from one lookup."""
+    __slots__ = ("mask", "hashes")
+
+    def __init__(self, mask: int, hashes: list[int]):
+        self.mask = mask
+        self.hashes = hashes
+
+
 class KVIndex:
     """Block hash -> workers, fed by `apply(batch)` / `apply_snapshot(snap)`.
 
@@ -49,7 +64,7 @@ class KVIndex:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[int, int] = OrderedDict()  # hash -> worker-slot bitmask, LRU order
+        self._blocks: OrderedDict[int, _Run] = OrderedDict()  # hash -> its run, LRU order
         self._workers: dict[str, _WorkerEntry] = {}
         self._slot_owner: list[str | None] = []  # slot -> worker id
         self._free_slots: list[int] = []
@@ -119,7 +134,7 @@ class KVIndex:
         self._drop_blocks(entry)
         entry.epoch, entry.next_seq = snap.epoch, snap.seq + 1
         entry.awaiting_snapshot = entry.snapshot_requested = False
-        self._store(entry, snap.block_hashes)
+        self._store(entry, snap.block_hashes, as_chain=False)
         pending = sorted((b for b in entry.pending if b.epoch == snap.epoch and b.seq > snap.seq),
                          key=lambda b: b.seq)
         entry.pending = []
@@ -151,49 +166,78 @@ class KVIndex:
                 raise TypeError(f"unknown KV event {type(event).__name__}")
         entry.next_seq = batch.seq + 1
 
-    def _store(self, entry: _WorkerEntry, hashes: Iterable[int]) -> None:
+    def _store(self, entry: _WorkerEntry, hashes: Iterable[int], as_chain: bool = True) -> None:
+        """Set the worker's bit on `hashes` (most recently stored). New hashes that follow each other
+        form one run (`as_chain`: they are a chain segment, as an event's are; a snapshot's sorted
+        hashes are not, so each becomes its own run)."""
         bit = 1 << entry.slot
         blocks, mine = self._blocks, entry.blocks
-        # The blocks of a chain mostly have the same holders: they share one mask object (its old
-        # value -> new value is computed once per run), which keeps the masks a walk reads in cache
-        # and stores one 1024-bit int per run instead of one per block.
-        old = new = None
+        fresh = None  # the run new hashes are appended to
+        seg_run, segment = None, []  # consecutive hashes of one existing run
         for h in hashes:
-            mask = blocks.get(h)
-            if mask is None:
-                blocks[h] = bit
+            run = blocks.get(h)
+            if run is None:
+                if fresh is None or not as_chain:
+                    fresh = _Run(bit, [])
+                fresh.hashes.append(h)
+                blocks[h] = fresh
             else:
-                if mask is not old:
-                    old, new = mask, mask | bit
-                blocks[h] = new
+                fresh = None
                 blocks.move_to_end(h)
+                if not run.mask & bit:
+                    if run is not seg_run and segment:
+                        self._set_mask(seg_run, segment, seg_run.mask | bit)
+                        segment = []
+                    seg_run = run
+                    segment.append(h)
             mine.add(h)
+        if segment:
+            self._set_mask(seg_run, segment, seg_run.mask | bit)
         while len(blocks) > self.max_blocks:
             self._evict_oldest()
 
     def _remove(self, entry: _WorkerEntry, hashes: Iterable[int]) -> None:
         clear = ~(1 << entry.slot)
         blocks, mine = self._blocks, entry.blocks
-        old = new = None  # shared masks stay shared (see _store)
+        by_run: dict[int, tuple[_Run, list[int]]] = {}
         for h in hashes:
             if h in mine:
                 mine.discard(h)
-                mask = blocks[h]
-                if mask is not old:
-                    old, new = mask, mask & clear
-                if new:
-                    blocks[h] = new
-                else:
-                    del blocks[h]
+                run = blocks[h]
+                by_run.setdefault(id(run), (run, []))[1].append(h)
+        for run, removed in by_run.values():
+            self._set_mask(run, removed, run.mask & clear)
 
     def _drop_blocks(self, entry: _WorkerEntry) -> None:
         self._remove(entry, list(entry.blocks))
 
+    def _set_mask(self, run: _Run, subset: list[int], mask: int) -> None:
+        """Give `subset` (hashes of `run`) the holders `mask`: the run is split where membership
+        changes (the longest piece keeps the run object, the others' entries are re-pointed); a piece
+        nobody holds leaves the index."""
+        pieces = _pieces(run.hashes, subset)
+        old_mask = run.mask
+        kept = max((hashes for hashes, inside in pieces if not inside or mask), key=len, default=None)
+        blocks = self._blocks
+        for hashes, inside in pieces:
+            piece_mask = mask if inside else old_mask
+            if not piece_mask:
+                for h in hashes:
+                    del blocks[h]
+            elif hashes is kept:
+                run.hashes, run.mask = hashes, piece_mask
+            else:
+                piece = _Run(piece_mask, hashes)
+                for h in hashes:
+                    blocks[h] = piece
+
     def _evict_oldest(self) -> None:
-        h, mask = self._blocks.popitem(last=False)
+        h = next(iter(self._blocks))
+        run = self._blocks[h]
         self.num_evicted += 1
-        for slot in _bits(mask):
+        for slot in _bits(run.mask):
             self._workers[self._slot_owner[slot]].blocks.discard(h)
+        self._set_mask(run, [h], 0)
 
     def _entry(self, worker_id: str) -> _WorkerEntry:
         entry = self._workers.get(worker_id)
@@ -224,18 +268,20 @@ class KVIndex:
                     alive |= 1 << entry.slot
         if not alive or not block_hashes:
             return {}
-        # The lookups run in C (map, takewhile) and stop at the first block no worker holds. Then the
-        # walk goes by runs of one mask, not block by block: a chain's blocks share their mask
-        # object (see _store), so groupby's comparisons are identity checks, and the holder set can
-        # only shrink at a run's boundary (a worker missing block i cannot count blocks after it).
-        masks = list(takewhile(bool, map(self._blocks.get, block_hashes, repeat(0, len(block_hashes)))))
+        # The walk goes run by run: one lookup finds a block's run, whose hashes the prompt's next
+        # blocks are compared to in C (a chain's blocks stored together form one run), so a prompt
+        # costs a lookup per run, not per block. The holder set can only shrink at a run's boundary
+        # (a worker missing block i cannot count blocks after it).
+        if not isinstance(block_hashes, list):
+            block_hashes = list(block_hashes)
+        get, owner = self._blocks.get, self._slot_owner
         result: dict[str, int] = {}
-        if not masks:
-            return result
-        owner = self._slot_owner
         running, num_leading = alive, 0  # workers holding every block so far; blocks so far
-        for mask, run in groupby(masks):
-            held = running & mask
+        while num_leading < len(block_hashes):
+            run = get(block_hashes[num_leading])
+            if run is None:
+                break
+            held = running & run.mask
             if held != running:
                 if num_leading:  # workers that held blocks 0..num_leading-1 but not this run
                     for slot in _bits(running & ~held):
@@ -243,13 +289,14 @@ class KVIndex:
                 running = held
                 if not running:
                     return result
-            num_leading += len(list(run))
-        for slot in _bits(running):
+            num_leading += _run_length(run.hashes, block_hashes, num_leading)
+        for slot in _bits(running if num_leading else 0):
             result[owner[slot]] = num_leading
         return result
 
     def holders(self, block_hash: int) -> list[str]:
-        return [self._slot_owner[s] for s in _bits(self._blocks.get(block_hash, 0))]
+        run = self._blocks.get(block_hash)
+        return [] if run is None else [self._slot_owner[s] for s in _bits(run.mask)]
 
     @property
     def num_blocks(self) -> int:
@@ -259,15 +306,56 @@ class KVIndex:
     def approx_bytes(self) -> int:
         """Memory the index holds, from sys.getsizeof of its containers and entries (O(blocks))."""
         total = sys.getsizeof(self._blocks)  # includes the OrderedDict's linked-list nodes
-        masks: dict[int, int] = {}  # id -> size: a mask object shared by many blocks counts once
-        for h, mask in self._blocks.items():
+        runs: dict[int, int] = {}  # id -> size: a run shared by many blocks counts once
+        for h, run in self._blocks.items():
             total += sys.getsizeof(h)
-            if mask > 255:  # small ints are shared by the interpreter
-                masks[id(mask)] = sys.getsizeof(mask)
-        total += sum(masks.values())
+            if id(run) not in runs:
+                mask_bytes = sys.getsizeof(run.mask) if run.mask > 255 else 0  # small ints are shared
+                runs[id(run)] = sys.getsizeof(run) + sys.getsizeof(run.hashes) + mask_bytes
+        total += sum(runs.values())
         for entry in self._workers.values():
             total += sys.getsizeof(entry.blocks) + sys.getsizeof(entry)
         return total
+
+
+def _pieces(hashes: list[int], subset: list[int]) -> list[tuple[list[int], bool]]:
+    """`hashes` (no repeats) cut into maximal stretches inside / outside `subset` (some of them), in
+    order. A subset that is one stretch starting at its first element (an event's chain segment, an
+    evicted block) is cut by slicing; any other by one pass."""
+    members = set(subset)
+    if len(members) == len(hashes):
+        return [(hashes, True)]
+    start = hashes.index(subset[0])
+    stop = start + len(members)
+    stretch = hashes[start:stop]
+    if len(stretch) == len(members) and members.issuperset(stretch):
+        cut = [(hashes[:start], False), (stretch, True), (hashes[stop:], False)]
+        return [piece for piece in cut if piece[0]]
+    return [(list(run), inside) for inside, run in groupby(hashes, members.__contains__)]
+
+
+def _run_length(run_hashes: list[int], block_hashes: Sequence[int], start: int) -> int:
+    """How many blocks of `block_hashes` from `start` (which is in the run) are the run's next
+    hashes: all of the run's rest when the prompt follows it, else the prefix they share, found by
+    bisection (chained hashes that agree at block k agree before it) and checked; 1 when the prompt
+    enters the run past its first block (not a chain: each block is looked up alone)."""
+    if run_hashes[0] != block_hashes[start]:
+        return 1
+    length = min(len(run_hashes), len(block_hashes) - start)
+    if length == 1:
+        return 1
+    last = start + length - 1
+    if block_hashes[last] != run_hashes[length - 1]:
+        lo, hi = 1, length - 1  # blocks [start, start + lo) agree; beyond start + hi they differ
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if block_hashes[start + mid - 1] == run_hashes[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        length = lo
+    stretch = run_hashes if length == len(run_hashes) else run_hashes[:length]
+    return length if block_hashes[start:start + length] == stretch else 1
 
 
 def _bits(mask: int):

@@ -105,11 +105,14 @@ class Router:
     # ---- routing -----------------------------------------------------------------------------
 
     def route(self, block_hashes: Sequence[int], num_prompt_tokens: int,
-              session_key: str | None = None) -> list[str]:
+              session_key: str | None = None, limit: int | None = None) -> list[str]:
         """Worker ids, best first: eligible workers in the policy's order, then full ones (spill-over).
-        Empty when no worker is healthy."""
-        return self.route_request(RouteRequest(list(block_hashes), num_prompt_tokens, session_key))
+        Empty when no worker is healthy. `limit`: only the first that many (limit=1: the choice alone,
+        which the kv_events policy finds without a pass over every worker)."""
+        return self.route_request(RouteRequest(list(block_hashes), num_prompt_tokens, session_key), limit)
 
-    def route_request(self, request: RouteRequest) -> list[str]:
+    def route_request(self, request: RouteRequest, limit: int | None = None) -> list[str]:
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit}")
         with self._lock:
-            return self.policy.rank(request, self.workers)
+            return self.policy.top(request, self.workers, limit)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvmesh.protocol import WorkerLoad
+from kvmesh.router.load_order import LoadKey, LoadOrder
 
 
 @dataclass
@@ -108,10 +109,13 @@ class WorkerSet(Sequence[WorkerState]):
         self._store = LoadColumns.from_states([])
         self._store.eligible_column = np.zeros(0, dtype=bool)
         self._id_array = np.empty(0, dtype=object)
+        self._orders: list[LoadOrder] = []  # kept up to date with every load (watch)
+        self._columns: LoadColumns | None = None  # views of the current rows, until the next add/remove
         self._grow(16)
 
     def _grow(self, capacity: int) -> None:
         old, n = self._store, self._n
+        self._columns = None
 
         def resized(arr, fill, dtype):
             new = np.full(capacity, fill, dtype=dtype)
@@ -160,6 +164,7 @@ class WorkerSet(Sequence[WorkerState]):
         self._id_array[self._n] = worker_id
         self._pos[worker_id] = self._n
         self._n += 1
+        self._columns = None
         self._write(self._n - 1)
         return state
 
@@ -179,6 +184,15 @@ class WorkerSet(Sequence[WorkerState]):
         self._store.ids.pop()
         self._id_array[last] = None
         self._n -= 1
+        self._columns = None
+        for order in self._orders:
+            order.discard(worker_id)
+
+    def watch(self, order: LoadOrder) -> None:
+        """Keep `order` up to date with every worker's load and eligibility from now on."""
+        self._orders.append(order)
+        for i in range(self._n):
+            self._update_orders(i)
 
     def update_load(self, load: WorkerLoad, now: float | None = None) -> None:
         """The worker's latest report; with `now`, a report whose timestamp changed is noted as
@@ -225,12 +239,28 @@ class WorkerSet(Sequence[WorkerState]):
         cols.kv_usage[i] = load.kv_usage
         cols.cap[i] = cap
         cols.eligible_column[i] = healthy and outstanding < cap
+        if self._orders:
+            self._update_orders(i)
+
+    def _update_orders(self, i: int) -> None:
+        state = self._states[i]
+        key = None
+        if state.eligible:  # the same values as the columns (float64 of the load's fields)
+            load = state.load
+            key = LoadKey(float(load.waiting_prefill_tokens), float(load.running_decode_tokens),
+                          float(load.kv_usage), float(load.running + load.waiting))
+        for order in self._orders:
+            order.update(state.worker_id, key)
 
     def columns(self) -> LoadColumns:
-        """Views of the first len(self) rows (valid until the next add/remove)."""
+        """Views of the first len(self) rows (valid until the next add/remove; one object, shared by
+        the calls in between: read-only for callers)."""
+        if self._columns is not None:
+            return self._columns
         n, s = self._n, self._store
-        return LoadColumns(ids=s.ids, healthy=s.healthy[:n], outstanding=s.outstanding[:n],
+        self._columns = LoadColumns(ids=s.ids, healthy=s.healthy[:n], outstanding=s.outstanding[:n],
                            waiting_prefill_tokens=s.waiting_prefill_tokens[:n],
                            running_decode_tokens=s.running_decode_tokens[:n],
                            kv_usage=s.kv_usage[:n], cap=s.cap[:n], pos=self._pos,
                            id_array=self._id_array[:n], eligible_column=s.eligible_column[:n])
+        return self._columns

@@ -30,6 +30,11 @@ class Policy:
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         raise NotImplementedError
 
+    def top(self, request: RouteRequest, workers: Sequence[WorkerState], k: int | None) -> list[str]:
+        """The first `k` of `rank` (all when None); a policy may find them without ranking everyone."""
+        ranked = self.rank(request, workers)
+        return ranked if k is None else ranked[:k]
+
     def add_worker(self, worker_id: str) -> None:
         """A worker joined (stateful policies update their structures)."""
 

@@ -1,7 +1,8 @@
 """The discrete-event loop: arrivals are routed by the real `Router`, workers step, their KV events
 and loads flow back into that same Router, as they do in the cluster.
 
-Decision latency is the wall-clock time of `Router.route_request` (lock, index lookup, policy).
+Decision latency is the wall-clock time of `Router.route_request(request, limit=1)` (lock, index walk,
+policy): the simulator uses only the choice, not the fallbacks of a full ranking.
 
 With `router_copies` > 0 the arrivals are routed instead as the serving cluster routes them: by that
 many RoutingState copies in turn (router/routing_state.py, as the cluster's ingress replicas hold),
@@ -64,11 +65,14 @@ class SimResult:
     policy: str
     jobs: list[Job]
     workers: list[SimWorker]
-    decision_ns: list[int]
+    decision_ns: list[int]  # wall clock of each routing decision
     violations: int  # routed past the cap while a worker sat idle
     router: Router
     wall_s: float
     peak_outstanding: int = 0  # most requests a worker held right after a routing decision
+    # CPU time of the routing thread per decision (the plain simulator only): what a decision costs
+    # without the preemption a busy shared machine adds to the wall clock
+    decision_cpu_ns: list[int] = field(default_factory=list)
 
 
 def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool = False,
@@ -115,6 +119,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
 
     jobs: list[Job] = []
     decision_ns: list[int] = []
+    decision_cpu_ns: list[int] = []
     violations = peak = 0
     cap = config.cap
     bar = _progress(len(workload.requests), policy, progress)
@@ -142,9 +147,11 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
             else:
                 route_request = RouteRequest(request.prompt_hashes(config.block_size),
                                              request.prompt_len, request.session_key)
+                c0 = time.thread_time_ns()
                 t0 = time.perf_counter_ns()
-                chosen = router.route_request(route_request)[0]
+                chosen = router.route_request(route_request, limit=1)[0]
                 decision_ns.append(time.perf_counter_ns() - t0)
+                decision_cpu_ns.append(time.thread_time_ns() - c0)
             i = by_id[chosen]
             w = workers[i]
             if cap is not None and w.outstanding >= cap and min(x.outstanding for x in workers) == 0:
@@ -173,7 +180,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
             order += 1
     bar.close()
     return SimResult(policy, jobs, workers, decision_ns, violations, router,
-                     time.perf_counter() - started, peak)
+                     time.perf_counter() - started, peak, decision_cpu_ns)
 
 
 class _NoBar:

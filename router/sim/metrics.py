@@ -30,6 +30,7 @@ def summarize(result: SimResult, oracle: float) -> dict:
     span = max(j.finish_time for j in jobs) - min(j.arrival for j in jobs)
     busy = np.array([w.busy_time for w in result.workers])
     decisions = np.array(result.decision_ns) / 1e3
+    cpu = np.array(result.decision_cpu_ns) / 1e3
     policy = result.router.policy
     if result.policy == "kv_events":
         index_bytes = result.router.index.approx_bytes()
@@ -48,6 +49,9 @@ def summarize(result: SimResult, oracle: float) -> dict:
         "imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         "decision_p50_us": float(np.percentile(decisions, 50)),
         "decision_p99_us": float(np.percentile(decisions, 99)),
+        "decision_max_us": float(decisions.max()),
+        "decision_cpu_p50_us": float(np.percentile(cpu, 50)) if len(cpu) else None,
+        "decision_cpu_p99_us": float(np.percentile(cpu, 99)) if len(cpu) else None,
         "index_bytes": int(index_bytes),
         "requests": len(jobs),
         "idle_while_over_cap": result.violations,

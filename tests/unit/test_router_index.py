@@ -143,29 +143,84 @@ def test_overlap_matches_a_brute_force_count_on_random_holdings():
         index.apply(batch(f"w{w}", 0, stored(sorted(held))))
     for trial in range(50):
         query = hashes[:rng.randrange(1, 41)]
-        expected = {}
-        for wid, held in holdings.items():
-            n = 0
-            while n < len(query) and query[n] in held:
-                n += 1
-            if n:
-                expected[wid] = n
-        assert index.overlap(query) == expected
+        assert index.overlap(query) == _reference_overlap(holdings, query)
 
 
-def test_a_chain_stored_by_the_same_workers_shares_one_mask_object():
-    # 600 workers: masks are multi-digit ints, one object per distinct holder set and run, not per
-    # block (the walk reads fewer objects; a 1M-block index at 1024 workers stores far fewer ints).
+def test_a_chain_stored_by_the_same_workers_shares_one_run():
+    # 600 workers: masks are multi-digit ints, one run (and mask) per stretch with the same holders,
+    # not per block: the walk looks up one block per run, and the index stores far fewer ints.
     index = KVIndex()
     for k in range(600):
         index.add_worker(f"w{k}")
     index.apply(batch("w599", 0, stored(H)))
     index.apply(batch("w300", 0, stored(H)))
     index.apply(batch("w7", 0, stored(H[:3])))
-    masks = [index._blocks[h] for h in H]
-    assert masks[0] is masks[1] is masks[2] and masks[3] is masks[4] and masks[2] is not masks[3]
+    runs = [index._blocks[h] for h in H]
+    assert runs[0] is runs[1] is runs[2] and runs[3] is runs[4] and runs[2] is not runs[3]
+    assert [runs[0].hashes, runs[3].hashes] == [H[:3], H[3:]]
     assert index.overlap(H) == {"w599": 5, "w300": 5, "w7": 3}
     index.apply(batch("w300", 1, BlockRemoved(block_hashes=list(H))))  # removal keeps them shared
-    masks = [index._blocks[h] for h in H]
-    assert masks[0] is masks[1] is masks[2] and masks[3] is masks[4]
+    runs = [index._blocks[h] for h in H]
+    assert runs[0] is runs[1] is runs[2] and runs[3] is runs[4]
     assert index.overlap(H) == {"w599": 5, "w7": 3}
+
+
+def test_a_part_of_a_run_stored_or_removed_splits_it_and_the_walk_still_counts_per_block():
+    index = KVIndex()
+    chain = block_hashes(list(range(12 * B)), B)
+    index.apply(batch("a", 0, stored(chain)))
+    index.apply(batch("b", 0, stored(chain[:8])))
+    index.apply(batch("a", 1, BlockRemoved(block_hashes=chain[4:6])))  # a hole in a's chain
+    assert [index._blocks[h].hashes for h in (chain[0], chain[4], chain[6], chain[8])] == [
+        chain[:4], chain[4:6], chain[6:8], chain[8:]]
+    assert index.overlap(chain) == {"a": 4, "b": 8}
+    assert index.overlap(chain[6:]) == {"a": 6, "b": 2}  # a prompt may start inside a run
+
+
+def _reference_overlap(holdings: dict[str, set[int]], query: list[int]) -> dict[str, int]:
+    expected = {}
+    for wid, held in holdings.items():
+        n = 0
+        while n < len(query) and query[n] in held:
+            n += 1
+        if n:
+            expected[wid] = n
+    return expected
+
+
+def test_runs_stay_consistent_under_random_stores_removals_evictions_and_snapshots():
+    """Every hash maps to a run that lists it and holds exactly its holders' bits, and the walk
+    equals a per-block count, after any mix of chain stores, partial removals, clears, snapshots,
+    worker removals and LRU evictions."""
+    import random
+    rng = random.Random(1)
+    chains = [block_hashes([c] * 3 + list(range(30 * B)), B) for c in range(4)]
+    index = KVIndex(max_blocks=90)
+    seqs: dict[str, int] = {}
+    for step in range(600):
+        wid = f"w{rng.randrange(6)}"
+        chain = rng.choice(chains)
+        lo = rng.randrange(len(chain))
+        hi = rng.randrange(lo, len(chain)) + 1
+        kind = rng.random()
+        if kind < 0.02:
+            index.remove_worker(wid)
+            seqs.pop(wid, None)
+            continue
+        if kind < 0.05:
+            seq = seqs.get(wid, 0)
+            snap = sorted(rng.sample(chain, 10))
+            index.apply(batch(wid, seq + 5, stored(chain[:1])))  # a gap: resync from the snapshot
+            assert index.apply_snapshot(KVSnapshot(wid, 0, seq + 5, snap))
+            seqs[wid] = seq + 6
+            continue
+        event = (stored(chain[:hi]) if kind < 0.6 else BlockRemoved(block_hashes=chain[lo:hi])
+                 if kind < 0.97 else AllCleared())
+        assert index.apply(batch(wid, seqs.get(wid, 0), event))
+        seqs[wid] = seqs.get(wid, 0) + 1
+        holdings = {w: index.worker_blocks(w) for w in index.worker_ids}
+        for h, run in index._blocks.items():
+            assert h in run.hashes and all(index._blocks[x] is run for x in run.hashes)
+            assert set(index.holders(h)) == {w for w, held in holdings.items() if h in held}
+        for query in (chain, chain[lo:], rng.choice(chains)[:hi]):
+            assert index.overlap(query) == _reference_overlap(holdings, query)

@@ -1,0 +1,197 @@
+"""Routing decisions inside the simulator, by cluster size: what a decision costs while the index grows
+and churns with real events and loads change between decisions (not isolated calls on a prebuilt
+index: that is kvmesh.router.sim.scale).
+
+    python -m kvmesh.router.sim.decisions --workers 16,256,1024,4096 --workloads tenants,multiturn \\
+        --seeds 100-102 --requests 20000 --load 0.7 [--jobs 4] [--json]
+    python -m kvmesh.router.sim.decisions --profile --workers 1024 --workloads tenants --seeds 100-100
+
+One `kvmesh sim` run of kv_events per (workers, workload, seed), each in its own process (`--jobs`
+at a time); a row per run: decision wall p50 / p99 / max and CPU p50 / p99 (the routing thread's
+time: a busy machine does not inflate it), hit rate, TTFT p99, and the machine's 1-minute load
+average as the run ended. Runs side by side share the machine's caches: use --jobs 1 for figures.
+
+--profile times the phases of every decision of one run (index walk, holders, in-flight lookup, load
+order, cost, hysteresis, pending record) and the work between decisions (event batches, load
+updates) by wrapping those functions with a clock: each wrapper adds ~0.2 us to what it wraps, so
+the phases are read as shares, the run's own figures without --profile.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+# (label, module, attribute path): the decision's phases, then the work between decisions. Missing
+# attributes are skipped, so the same profile runs on an older tree.
+PHASES = [
+    ("decision (Router.route_request)", "kvmesh.router.router", "Router.route_request"),
+    ("index walk (KVIndex.overlap)", "kvmesh.router.index", "KVIndex.overlap"),
+    ("holders -> rows, incl. walk", "kvmesh.router.policies.kv_events", "KVEventsPolicy._holdings"),
+    ("in-flight lookup", "kvmesh.router.policies.kv_events", "KVEventsPolicy._in_flight"),
+    ("load order (LoadOrder.cheapest)", "kvmesh.router.load_order", "LoadOrder.cheapest"),
+    ("cost (worker_costs)", "kvmesh.router.policies.kv_events", "worker_costs"),
+    ("sort + tie (order_by_score)", "kvmesh.router.policies.kv_events", "order_by_score"),
+    ("ids of the ranking (ids_at)", "kvmesh.router.workers", "LoadColumns.ids_at"),
+    ("spill-over", "kvmesh.router.policies.kv_events", "spill_over"),
+    ("hysteresis (_holder_that_stays)", "kvmesh.router.policies.kv_events", "KVEventsPolicy._holder_that_stays"),
+    ("pending record", "kvmesh.router.pending", "PendingPrefixes.record"),
+    ("between: event batches (on_events)", "kvmesh.router.router", "Router.on_events"),
+    ("between: load updates (update_load)", "kvmesh.router.router", "Router.update_load"),
+]
+
+
+def _config(workers: int, seed: int):
+    from kvmesh.router.sim.cluster import SimConfig
+    return SimConfig(num_workers=workers, seed=seed)
+
+
+def measure(workers: int, workload: str, seed: int, requests: int, load: float) -> dict:
+    """One run of kv_events; its decision figures, hit rate and TTFT p99."""
+    from kvmesh.router.sim.run import run
+
+    report = run(workload, ["kv_events"], _config(workers, seed), num_requests=requests, load=load)
+    m = report["policies"]["kv_events"]
+    keys = ("decision_p50_us", "decision_p99_us", "decision_max_us", "decision_cpu_p50_us",
+            "decision_cpu_p99_us", "hit_rate", "ttft_p99_s", "wall_s")
+    return {"workers": workers, "workload": workload, "seed": seed, "requests": requests, "load": load,
+            **{k: m.get(k) for k in keys}, "loadavg_1m": os.getloadavg()[0]}
+
+
+def profile(workers: int, workload: str, seed: int, requests: int, load: float) -> dict:
+    """One run with every phase of PHASES wrapped by a clock: {label: {calls, per_decision, mean_us,
+    p50_us, p99_us, share}}, share = the phase's total time / the decisions' total time."""
+    import importlib
+
+    times: dict[str, list[int]] = defaultdict(list)
+    undo = []
+    for label, module_name, path in PHASES:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        if owner is None or not hasattr(owner, name):
+            continue
+        original = getattr(owner, name)
+        setattr(owner, name, _timed(original, times[label]))
+        undo.append((owner, name, original))
+    try:
+        result = measure(workers, workload, seed, requests, load)
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
+    decisions = times[PHASES[0][0]]
+    total = sum(decisions)
+    phases = {}
+    for label, _, _ in PHASES:
+        ns = np.array(times.get(label, []), dtype=np.float64)
+        if not len(ns):
+            continue
+        phases[label] = {"calls": len(ns), "per_decision": len(ns) / len(decisions),
+                         "mean_us": ns.mean() / 1e3, "p50_us": np.percentile(ns, 50) / 1e3,
+                         "p99_us": np.percentile(ns, 99) / 1e3, "share": ns.sum() / total}
+    return {**result, "phases": phases}
+
+
+def _timed(fn, sink: list[int]):
+    clock = time.perf_counter_ns
+
+    def wrapper(*args, **kwargs):
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append(clock() - t0)
+    return wrapper
+
+
+def _run_one(do_profile: bool, workers: int, workload: str, seed: int, requests: int,
+             load: float) -> dict:
+    """One run in a fresh interpreter (no run inherits another's heap)."""
+    argv = [sys.executable, "-m", "kvmesh.router.sim.decisions", "--json", "--workers", str(workers),
+            "--workloads", workload, "--seeds", f"{seed}-{seed}", "--requests", str(requests),
+            "--load", str(load), "--in-process"] + (["--profile"] if do_profile else [])
+    done = subprocess.run(argv, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
+def format_rows(rows: list[dict]) -> str:
+    header = ["workers", "workload", "seed", "p50 us", "p99 us", "max us", "cpu p50", "cpu p99",
+              "hit", "ttft p99 ms", "load avg"]
+    lines = [header]
+    def cell(value, fmt: str, scale: float = 1.0) -> str:  # None: a tree whose sim lacks the figure
+        return "-" if value is None else fmt.format(value * scale)
+
+    for r in rows:
+        lines.append([str(r["workers"]), r["workload"], str(r["seed"]), cell(r["decision_p50_us"], "{:.1f}"),
+                      cell(r["decision_p99_us"], "{:.1f}"), cell(r["decision_max_us"], "{:.0f}"),
+                      cell(r["decision_cpu_p50_us"], "{:.1f}"), cell(r["decision_cpu_p99_us"], "{:.1f}"),
+                      cell(r["hit_rate"], "{:.4f}"), cell(r["ttft_p99_s"], "{:.1f}", 1e3),
+                      cell(r["loadavg_1m"], "{:.2f}")])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def format_profile(result: dict) -> str:
+    lines = [f"{result['workload']}, {result['workers']} workers, seed {result['seed']}, "
+             f"{result['requests']} requests (wrapped: read the shares)"]
+    for label, p in result["phases"].items():
+        lines.append(f"{label:40s} {p['per_decision']:5.2f}/decision  mean {p['mean_us']:7.1f} us  "
+                     f"p50 {p['p50_us']:7.1f}  p99 {p['p99_us']:8.1f}  share {p['share']:6.1%}")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"--workers wants a comma list of counts >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvmesh.commands.sim import WORKLOAD_CHOICES
+    from kvmesh.router.sim.stats import parse_seeds
+
+    p = argparse.ArgumentParser(prog="python -m kvmesh.router.sim.decisions",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--workers", default="16,256,1024,4096", help="comma list (default 16,256,1024,4096)")
+    p.add_argument("--workloads", default="tenants,multiturn", help="comma list (default tenants,multiturn)")
+    p.add_argument("--seeds", default="100-102", help="as kvmesh sim --seeds (default 100-102)")
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--load", type=float, default=0.7)
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each (default 1)")
+    p.add_argument("--profile", action="store_true", help="time the phases of each decision")
+    p.add_argument("--json", action="store_true", help="one JSON object per run, a line each")
+    p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one run, here
+    args = p.parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in workloads:
+        if w not in WORKLOAD_CHOICES:
+            raise ValueError(f"--workloads: unknown workload {w!r}; choose from {', '.join(WORKLOAD_CHOICES)}")
+    if args.requests < 1 or args.jobs < 1 or args.load <= 0:
+        raise ValueError("--requests and --jobs must be >= 1, --load > 0")
+    runs = [(args.profile, n, w, s, args.requests, args.load)
+            for n in _int_list(args.workers) for w in workloads for s in parse_seeds(args.seeds)]
+    if args.in_process:
+        results = [(profile if args.profile else measure)(*run[1:]) for run in runs]
+    else:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda run: _run_one(*run), runs))
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+    elif args.profile:
+        print("\n\n".join(format_profile(r) for r in results))
+    else:
+        print(format_rows(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
