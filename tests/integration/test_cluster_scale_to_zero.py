@@ -94,7 +94,8 @@ def test_the_ttft_a_worker_reports_includes_the_wait_at_the_ingress(cluster):
         assert stats.stdout.readline().strip() == "ready"
         complete(cluster, "warm", 1)  # a replica is up (cold start) before the timed pair
         with cf.ThreadPoolExecutor(2) as ex:
-            long = ex.submit(complete, cluster, "long", 600)
+            # 1,800 tokens: seconds on the tiny model even on an idle machine (600 took 0.7 s there)
+            long = ex.submit(complete, cluster, "long", 1800)
             time.sleep(0.5)  # the long one holds the replica's only slot
             sent = time.time()
             short = ex.submit(complete, cluster, "short", 1)  # waits at the ingress for the slot
