@@ -20,6 +20,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from kvmesh.cluster import process_metrics
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.router.gc_tuning import tune_gc_for_routing
 from kvmesh.router.routing_state import RoutingState
 
 logger = logging.getLogger("kvmesh.cluster")
@@ -41,6 +42,7 @@ class KVAwareRequestRouter(RequestRouter):
                          poll_timeout_s: float = 1.0):
         self.hub_app_name = app_name
         self.poll_timeout_s = poll_timeout_s
+        tune_gc_for_routing()  # this process holds a router copy's index (router/gc_tuning.py)
         self.state = RoutingState(policy, block_size, cap=cap, temperature=temperature)
         self.hub = get_or_create_hub(app_name)
         self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied

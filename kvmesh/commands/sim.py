@@ -76,6 +76,9 @@ def parse_workload_options(pairs: list[str]) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kvmesh.router.gc_tuning import tune_gc_for_routing
+
+    tune_gc_for_routing()  # as a cluster's routing process runs (decision times: router/gc_tuning.py)
     from kvmesh.router.sim.cluster import SimConfig
     from kvmesh.router.sim.report import format_table, plot_ttft
     from kvmesh.router.policies import parse_policy_names

@@ -18,6 +18,7 @@ the phases are read as shares, the run's own figures without --profile.
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -27,6 +28,8 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from kvmesh.router.gc_tuning import tune_gc_for_routing
 
 # (label, module, attribute path): the decision's phases, then the work between decisions. Missing
 # attributes are skipped, so the same profile runs on an older tree.
@@ -112,11 +115,12 @@ def _timed(fn, sink: list[int]):
 
 
 def _run_one(do_profile: bool, workers: int, workload: str, seed: int, requests: int,
-             load: float) -> dict:
+             load: float, default_gc: bool = False) -> dict:
     """One run in a fresh interpreter (no run inherits another's heap)."""
     argv = [sys.executable, "-m", "kvmesh.router.sim.decisions", "--json", "--workers", str(workers),
             "--workloads", workload, "--seeds", f"{seed}-{seed}", "--requests", str(requests),
-            "--load", str(load), "--in-process"] + (["--profile"] if do_profile else [])
+            "--load", str(load), "--in-process"] + (["--profile"] if do_profile else []) + (
+            ["--default-gc"] if default_gc else [])
     done = subprocess.run(argv, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
@@ -168,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each (default 1)")
     p.add_argument("--profile", action="store_true", help="time the phases of each decision")
     p.add_argument("--json", action="store_true", help="one JSON object per run, a line each")
+    p.add_argument("--default-gc", action="store_true",
+                   help="keep CPython's collector thresholds (default: the routing process's, "
+                        "kvmesh.router.gc_tuning, as the cluster's router copies run)")
     p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # one run, here
     args = p.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -179,10 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(args.profile, n, w, s, args.requests, args.load)
             for n in _int_list(args.workers) for w in workloads for s in parse_seeds(args.seeds)]
     if args.in_process:
+        if not args.default_gc:
+            tune_gc_for_routing()
         results = [(profile if args.profile else measure)(*run[1:]) for run in runs]
+        for r in results:
+            r["gc_thresholds"] = list(gc.get_threshold())
     else:
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(lambda run: _run_one(*run), runs))
+            results = list(pool.map(lambda run: _run_one(*run, default_gc=args.default_gc), runs))
     if args.json:
         for r in results:
             print(json.dumps(r))
