@@ -116,6 +116,7 @@ class LLM:
                     out.text += delta.text
                     out.token_ids.extend(delta.token_ids)
                     out.num_cached_tokens = delta.num_cached_tokens
+                    out.prompt_logprobs = out.prompt_logprobs or delta.prompt_logprobs
                     if delta.logprobs is not None:
                         out.logprobs = (out.logprobs or []) + delta.logprobs
                         out.top_logprobs = (out.top_logprobs or []) + (delta.top_logprobs or [None])

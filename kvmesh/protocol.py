@@ -119,6 +119,16 @@ def check_prompt_size(num_tokens: int, max_model_len: int) -> None:
 
 
 @dataclass
+class PromptLogprobs:
+    """Each prompt token's log-probability given the tokens before it (vLLM's prompt_logprobs):
+    entry 0 is None (the first token has no context). `ranks[i]` is token i's rank in its
+    distribution (1 = the most likely); `top[i]` the top-k alternatives, token id -> logprob."""
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[dict[int, float] | None]
+
+
+@dataclass
 class TokenDelta:
     """What one engine step produced for one request (streamed to the caller)."""
     request_id: str
@@ -135,6 +145,8 @@ class TokenDelta:
     arrival_time: float = 0.0
     # With finish_reason "error": the worker's engine died, not the request; another worker may run it.
     retryable: bool = False
+    # With SamplingParams.prompt_logprobs: on the request's first delta that has a token.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,7 +164,8 @@ class TokenDelta:
             _joined(self.logprobs, later.logprobs), _joined(self.top_logprobs, later.top_logprobs),
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
-            self.arrival_time or later.arrival_time, later.retryable)
+            self.arrival_time or later.arrival_time, later.retryable,
+            self.prompt_logprobs or later.prompt_logprobs)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:
@@ -175,3 +188,4 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None

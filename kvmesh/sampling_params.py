@@ -26,6 +26,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: the log-probability of each prompt token given the ones before it, with the top
+    # `prompt_logprobs` alternatives (the first token has none). Computed without the prefix cache.
+    prompt_logprobs: int | None = None
 
     MAX_STOP_STRINGS = 64
     MAX_STOP_STRING_CHARS = 512
@@ -69,6 +72,9 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             fail("logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            fail("prompt_logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.prompt_logprobs)
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
             fail("repetition_penalty", "in (0, 10]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):

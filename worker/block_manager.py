@@ -56,7 +56,11 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The cached prefix of a request that holds no blocks (new, or preempted): block ids to
-        pass to allocate_slots, capped so at least one prompt token is left to compute."""
+        pass to allocate_slots, capped so at least one prompt token is left to compute. None for a
+        request that still has prompt tokens to score (prompt_logprobs needs every position)."""
+        scores = request.prompt_logprobs
+        if scores is not None and len(scores.logprobs) < request.num_prompt_tokens:
+            return []
         return self.find_cached_prefix(request.all_token_ids, request.block_hashes)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:

@@ -15,6 +15,7 @@ from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.model_builder import build_model, resolve_device_dtype
 from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.prompt_logprobs import add_chunk, new_prompt_logprobs
 from kvmesh.worker.scheduler import Scheduler
 from kvmesh.worker.sequence import Request
 
@@ -119,6 +120,8 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = new_prompt_logprobs()
         if request.stream_text or params.stop:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         self.requests[req.request_id] = req
@@ -151,6 +154,8 @@ class Engine:
         if not output.is_empty:
             previous_samples = self._in_flight[1] if self._in_flight is not None else None
             launched = self.runner.execute(output, previous_samples)
+            for chunk in self.runner.take_prompt_logprobs():
+                add_chunk(chunk.request.prompt_logprobs, chunk)
             self.scheduler.advance(output)
             if launched is not None:
                 for row, req in enumerate(launched.requests):
@@ -230,13 +235,17 @@ class Engine:
 
     def _delta(self, req: Request, token_ids: list[int], logprob, top=None) -> TokenDelta:
         text = req.detokenizer.take_delta(final=req.is_finished) if req.detokenizer is not None else ""
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_resolved_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
+            prompt_logprobs=prompt_logprobs)
 
     # ---- state for the router ----------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from kvmesh.worker.compile import compile_layers
 from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
 from kvmesh.worker.host_to_device import to_device
 from kvmesh.worker.model_config import ModelConfig
+from kvmesh.worker.prompt_logprobs import PromptLogprobsChunk, score_prompt_tokens
 from kvmesh.worker.sampler import PendingSample, Sampler
 from kvmesh.worker.scheduler import SchedulerOutput
 
@@ -39,6 +40,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(device, seed)
+        self._prompt_logprobs: list[PromptLogprobsChunk] = []  # the last step's, until taken
         if torch_compile:  # before the graphs are captured: their warm-up runs compile it
             compile_layers(self.model)
         # --- CUDA graphs for decode (worker/cuda_graphs.py) ---
@@ -105,12 +107,19 @@ class ModelRunner:
             self.backend.plan(metadata)
             with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
                 hidden = self.model(input_ids, positions)  # [T, hidden]
+        if any(e.request.prompt_logprobs is not None for e in output.scheduled):
+            self._prompt_logprobs = score_prompt_tokens(self.model, hidden, output.scheduled)
         if not logits_indices:
             return None
         index = to_device(logits_indices, torch.long, self.device)
         logits = self.model.compute_logits(hidden[index])  # [N, vocab]
         sampling = [e.request for e in output.scheduled if e.samples]
         return self.sampler.sample_async(logits, sampling)
+
+    def take_prompt_logprobs(self) -> list[PromptLogprobsChunk]:
+        """The prompt tokens scored by the last execute (for requests with prompt_logprobs)."""
+        chunks, self._prompt_logprobs = self._prompt_logprobs, []
+        return chunks
 
     @staticmethod
     def _pending_inputs(output: SchedulerOutput) -> tuple[list[int], list[int]] | None:

@@ -44,6 +44,10 @@ class Request:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None  # per-request, for seeded sampling
+        # SamplingParams.prompt_logprobs: the prompt tokens scored so far (worker/prompt_logprobs.py),
+        # sent with the first delta that has a token.
+        self.prompt_logprobs = None
+        self.prompt_logprobs_sent = False
         self.detokenizer = None  # set by the engine
         # Async scheduling: the token sampled by the step in flight is a placeholder (-1) at the end
         # of the token lists until its step is processed; pending_row is its row in that step's
