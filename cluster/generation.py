@@ -110,6 +110,7 @@ class Collected:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict] = []
         self.last: TokenDelta | None = None
+        self.prompt_logprobs = None  # PromptLogprobs, with SamplingParams.prompt_logprobs
         self.first_token_time: float | None = None  # the worker's clock
         self.first_token_seen: float | None = None  # when it reached the ingress
 
@@ -120,6 +121,8 @@ class Collected:
             self.logprobs.extend(delta.logprobs)
         if delta.top_logprobs:
             self.top_logprobs.extend(delta.top_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.first_token_time is not None and self.first_token_time is None:
             self.first_token_time = delta.first_token_time
         if delta.token_ids and self.first_token_seen is None:

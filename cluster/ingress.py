@@ -30,6 +30,7 @@ from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params)
+from kvmesh.cluster.openai_echo import Echo
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
 from kvmesh.serve_config import parse_config
 
@@ -67,7 +68,18 @@ def _prompt(req, kind: str) -> Prompt:
     return Prompt("prompt", token_ids=list(prompt))
 
 
-async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
+def _echo(req, kind: str, prompt: Prompt, admitted, frontend) -> Echo | None:
+    """What the request asks of its prompt (echo, prompt_logprobs): None when nothing."""
+    echo = bool(getattr(req, "echo", False))
+    if not echo and req.prompt_logprobs is None:
+        return None
+    ids = list(admitted.routed.prompt_token_ids)
+    text = prompt.text if prompt.text is not None else frontend.tokenizer.decode(ids)
+    return Echo(echo, text, ids, frontend.decode_token,
+                getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs)
+
+
+async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool, echo: Echo | None = None):
     """The SSE body of a stream; when the client goes, Starlette closes this generator and the
     stream with it (which aborts the request on the worker)."""
     async with stream:
@@ -75,10 +87,24 @@ async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
         if role is not None:
             yield sse(role)
         offset = 0
+        first = True
         async for delta in stream:
-            yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
-                                         delta.top_logprobs, delta.finish_reason, offset,
-                                         include_usage))
+            chunk = shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
+                                       delta.top_logprobs, delta.finish_reason, offset,
+                                       include_usage)
+            if echo is not None and first:
+                if echo.echo:  # the prompt goes first, in a chunk of its own
+                    yield sse(shaper._chunk([echo.first_chunk(delta.prompt_logprobs)], None,
+                                            include_usage))
+                    offset = len(echo.prompt_text)
+                    chunk["choices"][0]["logprobs"] = shaper._completion_logprobs(
+                        delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
+                elif shaper.kind == "chat":
+                    chunk["prompt_logprobs"] = echo.vllm_list(delta.prompt_logprobs)
+                else:
+                    chunk["choices"][0]["prompt_logprobs"] = echo.vllm_list(delta.prompt_logprobs)
+            first = False
+            yield sse(chunk)
             offset += len(delta.text)
         if include_usage:
             last = stream.last
@@ -185,8 +211,9 @@ class Ingress(GrpcService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
+            prompt = _prompt(req, kind)
             admitted = await self.pipeline.admit(GenerationRequest(
-                _prompt(req, kind), functools.partial(sampling_params, req),
+                prompt, functools.partial(sampling_params, req),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
@@ -194,18 +221,20 @@ class Ingress(GrpcService):
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
                             admitted.routed.sampling_params.logprobs)
+            echo = _echo(req, kind, prompt, admitted, self.frontend)
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage),
+                return StreamingResponse(_sse(stream, shaper, include_usage, echo),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
             last = result.last
-            return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
+            body = shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
                                last.finish_reason,
                                last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
                                last.num_cached_tokens)
+            return echo.apply(body, kind, result.prompt_logprobs) if echo is not None else body
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 

@@ -69,12 +69,14 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's (cluster/openai_echo.py)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt leads the text (and its logprobs): cluster/openai_echo.py
+    prompt_logprobs: int | None = None  # vLLM's
 
 
 UNSUPPORTED = {
@@ -101,8 +103,6 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
             raise ApiError(400, why, param=name)
     if req.n != 1:
         raise ApiError(400, "n must be 1 (one completion per request)", param="n")
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
     return req
 
 
@@ -161,7 +161,7 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
     else:
         logprobs = req.logprobs
     kwargs = dict(max_tokens=max_tokens, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
-                  ignore_eos=req.ignore_eos)
+                  ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -177,6 +177,15 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
         elif name == "logprobs" and isinstance(req, ChatCompletionRequest):
             name = "top_logprobs"
         raise ApiError(400, message, param=name) from None
+
+
+def prompt_logprobs_asked(req: _Request) -> int | None:
+    """How many alternatives per prompt token the engine scores: vLLM's prompt_logprobs, and
+    `logprobs` of an echoed completion prompt (the larger)."""
+    asked = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        asked = req.logprobs if asked is None else max(asked, req.logprobs)
+    return asked
 
 
 def new_id(prefix: str) -> str:
