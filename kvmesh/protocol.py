@@ -147,16 +147,24 @@ class TokenDelta:
     retryable: bool = False
     # With SamplingParams.prompt_logprobs: on the request's first delta that has a token.
     prompt_logprobs: PromptLogprobs | None = None
+    # Parallel sampling (n > 1, best_of): the sequence these tokens belong to, and whether other
+    # sequences of the request still run. finish_reason is the sequence's; the request is
+    # finished with the last sequence.
+    index: int = 0
+    more_sequences: bool = False
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The request is finished (with n > 1: its last sequence)."""
+        return self.finish_reason is not None and not self.more_sequences
 
     def followed_by(self, later: "TokenDelta") -> "TokenDelta":
         """This delta and the next one of the same request as one delta (what a consumer that fell
         behind the engine receives: one stream item per read instead of one per step)."""
         if later.request_id != self.request_id:
             raise ValueError(f"request_id: cannot merge deltas of {self.request_id!r} and {later.request_id!r}")
+        if later.index != self.index:
+            raise ValueError(f"index: cannot merge deltas of sequences {self.index} and {later.index}")
         return TokenDelta(
             self.request_id, self.token_ids + later.token_ids, self.text + later.text,
             later.finish_reason, later.num_prompt_tokens or self.num_prompt_tokens,
@@ -165,7 +173,7 @@ class TokenDelta:
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
             self.arrival_time or later.arrival_time, later.retryable,
-            self.prompt_logprobs or later.prompt_logprobs)
+            self.prompt_logprobs or later.prompt_logprobs, self.index, later.more_sequences)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:
@@ -189,3 +197,6 @@ class RequestOutput:
     finish_time: float | None = None
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    # n > 1: the n sequences (with best_of, the n best by cumulative logprob, best first); the
+    # fields above are sequences[0]'s. Empty when n is 1.
+    sequences: list["RequestOutput"] = field(default_factory=list)

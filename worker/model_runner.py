@@ -75,7 +75,9 @@ class ModelRunner:
               np.arange(flat.shape[0]) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)] = flat
         slot_mapping = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         samples = [e.samples for e in entries]
-        logits_indices = [int(query_start_loc[i + 1]) - 1 for i, x in enumerate(samples) if x]
+        # a request's forked sequences (parallel sampling) sample from its last row too
+        logits_indices = [int(query_start_loc[i + 1]) - 1
+                          for i, e in enumerate(entries) if e.samples for _ in range(1 + len(e.forks))]
         num_decode_tokens = sum(1 for q, x in zip(query_lens, samples) if q == 1 and x)
         dev = self.device
         metadata = AttentionMetadata(
@@ -95,6 +97,9 @@ class ModelRunner:
         copy to the host queued). Tokens still in flight from `previous` (placeholders, -1) are read
         from its device tensor, so this step can be launched before the previous one is done."""
         (input_ids, positions), metadata, logits_indices = self.prepare(output)
+        if output.blocks_to_copy:  # copy on write of blocks shared by parallel sequences
+            src, dst = (to_device(list(ids), torch.long, self.device) for ids in zip(*output.blocks_to_copy))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [layers, 2, n, block, kv_heads, head_dim]
         pending = self._pending_inputs(output)
         if pending:
             if previous is None:
@@ -113,7 +118,7 @@ class ModelRunner:
             return None
         index = to_device(logits_indices, torch.long, self.device)
         logits = self.model.compute_logits(hidden[index])  # [N, vocab]
-        sampling = [e.request for e in output.scheduled if e.samples]
+        sampling = [r for e in output.scheduled if e.samples for r in (e.request, *e.forks)]
         return self.sampler.sample_async(logits, sampling)
 
     def take_prompt_logprobs(self) -> list[PromptLogprobsChunk]:

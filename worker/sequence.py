@@ -54,6 +54,12 @@ class Request:
         # sampled tokens, from which the next step reads it on the device.
         self.num_pending = 0
         self.pending_row = -1
+        # Parallel sampling (worker/parallel_sampling.py): this sequence's index among the
+        # request's, every sequence of the request (shared list; None when it has one), and the
+        # sequences that fork off this one when its prompt is computed.
+        self.index = 0
+        self.group: list[Request] | None = None
+        self.pending_forks: list[Request] = []
 
     @property
     def num_tokens(self) -> int:
