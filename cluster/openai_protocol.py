@@ -77,13 +77,13 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     echo: bool = False  # the prompt leads the text (and its logprobs): cluster/openai_echo.py
     prompt_logprobs: int | None = None  # vLLM's
+    best_of: int | None = None  # cluster/openai_choices.py
 
 
 UNSUPPORTED = {
     "tools": "tool calls are not supported",
     "functions": "function calls are not supported",
     "logit_bias": "logit_bias is not supported",
-    "best_of": "best_of is not supported",
     "suffix": "suffix is not supported",
 }
 
@@ -101,9 +101,20 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, why, param=name)
-    if req.n != 1:
-        raise ApiError(400, "n must be 1 (one completion per request)", param="n")
+    check_choices(body, req)
     return req
+
+
+def check_choices(body: dict, req: _Request) -> None:
+    """n and best_of (cluster/openai_choices.py): best_of is a completions field, and picking the
+    best of several sequences needs them whole, so not with stream (as OpenAI and vLLM)."""
+    if isinstance(req, ChatCompletionRequest) and body.get("best_of") is not None:
+        raise ApiError(400, "best_of is a field of /v1/completions, not of chat completions",
+                       param="best_of")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and req.stream and best_of != req.n:
+        raise ApiError(400, "best_of cannot be used with stream: the best sequences are known only "
+                       "when all have finished", param="best_of")
 
 
 def _field_path(body: Any, loc: tuple) -> str | None:
@@ -161,7 +172,8 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
     else:
         logprobs = req.logprobs
     kwargs = dict(max_tokens=max_tokens, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
-                  ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req))
+                  ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req),
+                  n=req.n, best_of=getattr(req, "best_of", None))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
