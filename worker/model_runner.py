@@ -75,9 +75,10 @@ class ModelRunner:
               np.arange(flat.shape[0]) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)] = flat
         slot_mapping = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         samples = [e.samples for e in entries]
-        # a request's forked sequences (parallel sampling) sample from its last row too
-        logits_indices = [int(query_start_loc[i + 1]) - 1
-                          for i, e in enumerate(entries) if e.samples for _ in range(1 + len(e.forks))]
+        logits_indices = [int(query_start_loc[i + 1]) - 1 for i, x in enumerate(samples) if x]
+        if any(e.forks for e in entries):  # forked sequences (parallel sampling) sample that row too
+            logits_indices = [int(query_start_loc[i + 1]) - 1
+                              for i, e in enumerate(entries) if e.samples for _ in range(1 + len(e.forks))]
         num_decode_tokens = sum(1 for q, x in zip(query_lens, samples) if q == 1 and x)
         dev = self.device
         metadata = AttentionMetadata(
@@ -118,7 +119,9 @@ class ModelRunner:
             return None
         index = to_device(logits_indices, torch.long, self.device)
         logits = self.model.compute_logits(hidden[index])  # [N, vocab]
-        sampling = [r for e in output.scheduled if e.samples for r in (e.request, *e.forks)]
+        sampling = [e.request for e in output.scheduled if e.samples]
+        if len(sampling) != len(logits_indices):  # forked sequences follow their request
+            sampling = [r for e in output.scheduled if e.samples for r in (e.request, *e.forks)]
         return self.sampler.sample_async(logits, sampling)
 
     def take_prompt_logprobs(self) -> list[PromptLogprobsChunk]:
