@@ -2,7 +2,7 @@
 
 Requests are validated here, before anything reaches a worker: a bad field raises ApiError(400)
 naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI defines but kvmesh
-does not implement (n > 1, tools, ...) are rejected by name rather than ignored.
+does not implement (tools, ...) are rejected by name rather than ignored.
 """
 
 from __future__ import annotations

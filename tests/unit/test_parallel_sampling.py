@@ -212,3 +212,5 @@ def test_more_sequences_than_max_num_seqs_is_refused_naming_n():
     llm = LLM(MODEL, max_num_seqs=4)
     with pytest.raises(ValueError, match="^n is 5"):
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(n=5))
+    with pytest.raises(ValueError, match="^best_of is 6"):
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(n=2, best_of=6))
