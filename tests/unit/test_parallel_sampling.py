@@ -214,3 +214,19 @@ def test_more_sequences_than_max_num_seqs_is_refused_naming_n():
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(n=5))
     with pytest.raises(ValueError, match="^best_of is 6"):
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(n=2, best_of=6))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_groups_preempted_and_recomputed_give_the_same_sequences(async_scheduling):
+    prompts_text = [f"prompt number {i} " + "abc " * (i + 2) for i in range(4)]
+    params = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    large = LLM(MODEL, block_size=4)
+    prompts = [large.encode(p) for p in prompts_text]
+    expected = [[s.token_ids for s in o.sequences]
+                for o in large.generate(prompt_token_ids=prompts, sampling_params=params)]
+    small = LLM(MODEL, block_size=4, kv_cache_memory_bytes=24 * 1024,  # 24 blocks = 96 tokens
+                async_scheduling=async_scheduling)
+    got = small.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [[s.token_ids for s in o.sequences] for o in got] == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.num_free_blocks == small.engine.num_kv_blocks
