@@ -30,8 +30,8 @@ from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params)
-from kvmesh.cluster.openai_choices import whole_body
-from kvmesh.cluster.openai_echo import Echo
+from kvmesh.cluster.openai_choices import StreamChoices, whole_body
+from kvmesh.cluster.openai_echo import echo_for
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
 from kvmesh.serve_config import parse_config
 
@@ -69,52 +69,18 @@ def _prompt(req, kind: str) -> Prompt:
     return Prompt("prompt", token_ids=list(prompt))
 
 
-def _echo(req, kind: str, prompt: Prompt, admitted, frontend) -> Echo | None:
-    """What the request asks of its prompt (echo, prompt_logprobs): None when nothing."""
-    echo = bool(getattr(req, "echo", False))
-    if not echo and req.prompt_logprobs is None:
-        return None
-    ids = list(admitted.routed.prompt_token_ids)
-    text = prompt.text if prompt.text is not None else frontend.tokenizer.decode(ids)
-    return Echo(echo, text, ids, frontend.decode_token,
-                getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs)
-
-
-async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool, echo: Echo | None = None,
-               num_choices: int = 1):
+async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool,
+               choices: StreamChoices | None = None):
     """The SSE body of a stream; when the client goes, Starlette closes this generator and the
-    stream with it (which aborts the request on the worker). With n > 1 each delta is a chunk of
-    the choice of its sequence's index (cluster/openai_choices.py)."""
+    stream with it (which aborts the request on the worker). `choices` makes the chunks (n > 1,
+    echo: cluster/openai_choices.py)."""
     async with stream:
-        for index in range(num_choices):
-            role = shaper.role_chunk(include_usage)
-            if role is not None:
-                role["choices"][0]["index"] = index
-                yield sse(role)
-        offsets: dict[int, int] = {}
-        scores = None  # the prompt's logprobs: on the request's first delta with a token
+        choices = choices or StreamChoices(shaper, include_usage, None, 1)
+        for role in choices.role_chunks():
+            yield sse(role)
         async for delta in stream:
-            scores = scores or delta.prompt_logprobs
-            first = delta.index not in offsets
-            offset = offsets.get(delta.index, 0)
-            chunk = shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
-                                       delta.top_logprobs, delta.finish_reason, offset,
-                                       include_usage)
-            chunk["choices"][0]["index"] = delta.index
-            if echo is not None and first:
-                if echo.echo:  # the prompt goes first, in a chunk of its own
-                    echoed = echo.first_chunk(scores)
-                    echoed["index"] = delta.index
-                    yield sse(shaper._chunk([echoed], None, include_usage))
-                    offset = len(echo.prompt_text)
-                    chunk["choices"][0]["logprobs"] = shaper._completion_logprobs(
-                        delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
-                elif delta.index == 0 and shaper.kind == "chat":
-                    chunk["prompt_logprobs"] = echo.vllm_list(scores)
-                elif delta.index == 0:
-                    chunk["choices"][0]["prompt_logprobs"] = echo.vllm_list(scores)
-            yield sse(chunk)
-            offsets[delta.index] = offset + len(delta.text)
+            for chunk in choices.chunks(delta):
+                yield sse(chunk)
         if include_usage:
             last = stream.last
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
@@ -230,25 +196,19 @@ class Ingress(GrpcService):
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
                             admitted.routed.sampling_params.logprobs)
-            echo = _echo(req, kind, prompt, admitted, self.frontend)
+            echo = echo_for(req, kind, prompt.text, admitted.routed.prompt_token_ids, self.frontend)
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage, echo, req.n),
+                choices = StreamChoices(shaper, include_usage, echo, req.n)
+                return StreamingResponse(_sse(stream, shaper, include_usage, choices),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
             last = result.last
-            params = admitted.routed.sampling_params
-            if params.num_sequences > 1:
-                return whole_body(shaper, result, params, kind, echo,
-                                  last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
-                                  last.num_cached_tokens)
-            body = shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
-                               last.finish_reason,
-                               last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
-                               last.num_cached_tokens)
-            return echo.apply(body, kind, result.prompt_logprobs) if echo is not None else body
+            return whole_body(shaper, result, admitted.routed.sampling_params, kind, echo,
+                              last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
+                              last.num_cached_tokens)
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 

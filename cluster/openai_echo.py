@@ -54,6 +54,17 @@ def vllm_prompt_logprobs(prompt_ids: list[int], scores: PromptLogprobs, decode, 
     return out
 
 
+def echo_for(req, kind: str, prompt_text: str | None, prompt_ids: list[int], frontend) -> "Echo | None":
+    """What an OpenAI request asks of its prompt (echo, prompt_logprobs); None when nothing.
+    prompt_text: the prompt as sent when it was text (else its tokens are decoded)."""
+    echo = bool(getattr(req, "echo", False))
+    if not echo and req.prompt_logprobs is None:
+        return None
+    text = prompt_text if prompt_text is not None else frontend.tokenizer.decode(prompt_ids)
+    return Echo(echo, text, list(prompt_ids), frontend.decode_token,
+                getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs)
+
+
 class Echo:
     """What one request asked of the prompt: its text echoed (completions), its logprobs."""
 

@@ -47,3 +47,31 @@ def test_sequence_i_gets_seed_plus_i_and_no_prompt_logprobs():
     assert sequence_params(params, 0) is params
     assert (sequence_params(params, 1).seed, sequence_params(params, 1).prompt_logprobs) == (0, None)
     assert sequence_params(SamplingParams(n=2), 1).seed is None
+
+
+def test_stream_chunks_carry_their_sequence_index_and_echo_goes_first_per_choice():
+    from kvmesh.cluster.openai_choices import StreamChoices
+    from kvmesh.cluster.openai_responses import Shaper
+    from kvmesh.protocol import TokenDelta
+
+    shaper = Shaper("completion", "cmpl-1", "m", 0, TEXT.get, top_logprobs=None)
+    echo = Echo(True, "Hello you", [1, 2, 3], TEXT.get, logprobs=None, prompt_logprobs=None)
+    choices = StreamChoices(shaper, False, echo, num_choices=2)
+    assert choices.role_chunks() == []  # completions have no role chunk
+    deltas = [TokenDelta("r", [9], "!", index=0, prompt_logprobs=SCORES, more_sequences=True),
+              TokenDelta("r", [3], " you", index=1, more_sequences=True),
+              TokenDelta("r", [9], "!", index=1, finish_reason="length", more_sequences=True),
+              TokenDelta("r", [3], " you", index=0, finish_reason="length")]
+    sent = [c["choices"][0] for d in deltas for c in choices.chunks(d)]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in sent] == [
+        (0, "Hello you", None), (0, "!", None), (1, "Hello you", None), (1, " you", None),
+        (1, "!", "length"), (0, " you", "length")]
+    assert choices.offsets == {0: len("Hello you! you"), 1: len("Hello you you!")}
+
+
+def test_chat_role_chunks_one_per_choice():
+    from kvmesh.cluster.openai_choices import StreamChoices
+    from kvmesh.cluster.openai_responses import Shaper
+
+    choices = StreamChoices(Shaper("chat", "c", "m", 0, TEXT.get, None), False, None, num_choices=3)
+    assert [c["choices"][0]["index"] for c in choices.role_chunks()] == [0, 1, 2]
