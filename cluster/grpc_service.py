@@ -56,9 +56,12 @@ def _grpc_error(e: ApiError, grpc_context) -> Exception:
 def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -> SamplingParams:
     kwargs = {"max_tokens": req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
               "stop": list(req.stop), "ignore_eos": req.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "n", "best_of"):
         if req.HasField(name):
             kwargs[name] = getattr(req, name)
+    if req.HasField("best_of") and req.best_of != kwargs.get("n", 1):
+        raise ApiError(400, "best_of must equal n on Generate: it streams, and the best sequences "
+                       "are known only when all have finished (use /v1/completions)", param="best_of")
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
@@ -102,7 +105,8 @@ def _label(request: pb.GenerateRequest, engine_id: str) -> str:
 def _response(delta: TokenDelta, label: str, stream: DeltaStream) -> pb.GenerateResponse:
     out = pb.GenerateResponse(request_id=label, token_ids=delta.token_ids, text=delta.text,
                               finish_reason=delta.finish_reason or "",
-                              logprobs=delta.logprobs or [], error=delta.error or "")
+                              logprobs=delta.logprobs or [], error=delta.error or "",
+                              index=delta.index)
     if delta.finished:
         out.usage.CopyFrom(pb.Usage(
             prompt_tokens=delta.num_prompt_tokens or stream.routed.num_prompt_tokens,

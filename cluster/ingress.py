@@ -30,6 +30,8 @@ from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params)
+from kvmesh.cluster.openai_choices import StreamChoices, whole_body
+from kvmesh.cluster.openai_echo import echo_for
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
 from kvmesh.serve_config import parse_config
 
@@ -67,19 +69,18 @@ def _prompt(req, kind: str) -> Prompt:
     return Prompt("prompt", token_ids=list(prompt))
 
 
-async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
+async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool,
+               choices: StreamChoices | None = None):
     """The SSE body of a stream; when the client goes, Starlette closes this generator and the
-    stream with it (which aborts the request on the worker)."""
+    stream with it (which aborts the request on the worker). `choices` makes the chunks (n > 1,
+    echo: cluster/openai_choices.py)."""
     async with stream:
-        role = shaper.role_chunk(include_usage)
-        if role is not None:
+        choices = choices or StreamChoices(shaper, include_usage, None, 1)
+        for role in choices.role_chunks():
             yield sse(role)
-        offset = 0
         async for delta in stream:
-            yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
-                                         delta.top_logprobs, delta.finish_reason, offset,
-                                         include_usage))
-            offset += len(delta.text)
+            for chunk in choices.chunks(delta):
+                yield sse(chunk)
         if include_usage:
             last = stream.last
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
@@ -184,8 +185,9 @@ class Ingress(GrpcService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
+            prompt = _prompt(req, kind)
             admitted = await self.pipeline.admit(GenerationRequest(
-                _prompt(req, kind), functools.partial(sampling_params, req),
+                prompt, functools.partial(sampling_params, req),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
@@ -193,18 +195,19 @@ class Ingress(GrpcService):
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
                             admitted.routed.sampling_params.logprobs)
+            echo = echo_for(req, kind, prompt.text, admitted.routed.prompt_token_ids, self.frontend)
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage),
+                choices = StreamChoices(shaper, include_usage, echo, req.n)
+                return StreamingResponse(_sse(stream, shaper, include_usage, choices),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
             last = result.last
-            return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
-                               last.finish_reason,
-                               last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
-                               last.num_cached_tokens)
+            return whole_body(shaper, result, admitted.routed.sampling_params, kind, echo,
+                              last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
+                              last.num_cached_tokens)
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 

@@ -2,7 +2,7 @@
 
 Requests are validated here, before anything reaches a worker: a bad field raises ApiError(400)
 naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI defines but kvmesh
-does not implement (n > 1, tools, ...) are rejected by name rather than ignored.
+does not implement (tools, ...) are rejected by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -69,19 +69,21 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's (cluster/openai_echo.py)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt leads the text (and its logprobs): cluster/openai_echo.py
+    prompt_logprobs: int | None = None  # vLLM's
+    best_of: int | None = None  # cluster/openai_choices.py
 
 
 UNSUPPORTED = {
     "tools": "tool calls are not supported",
     "functions": "function calls are not supported",
     "logit_bias": "logit_bias is not supported",
-    "best_of": "best_of is not supported",
     "suffix": "suffix is not supported",
 }
 
@@ -99,11 +101,20 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, why, param=name)
-    if req.n != 1:
-        raise ApiError(400, "n must be 1 (one completion per request)", param="n")
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    check_choices(body, req)
     return req
+
+
+def check_choices(body: dict, req: _Request) -> None:
+    """n and best_of (cluster/openai_choices.py): best_of is a completions field, and picking the
+    best of several sequences needs them whole, so not with stream (as OpenAI and vLLM)."""
+    if isinstance(req, ChatCompletionRequest) and body.get("best_of") is not None:
+        raise ApiError(400, "best_of is a field of /v1/completions, not of chat completions",
+                       param="best_of")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and req.stream and best_of != req.n:
+        raise ApiError(400, "best_of cannot be used with stream: the best sequences are known only "
+                       "when all have finished", param="best_of")
 
 
 def _field_path(body: Any, loc: tuple) -> str | None:
@@ -161,7 +172,8 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
     else:
         logprobs = req.logprobs
     kwargs = dict(max_tokens=max_tokens, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
-                  ignore_eos=req.ignore_eos)
+                  ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req),
+                  n=req.n, best_of=getattr(req, "best_of", None))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -177,6 +189,15 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
         elif name == "logprobs" and isinstance(req, ChatCompletionRequest):
             name = "top_logprobs"
         raise ApiError(400, message, param=name) from None
+
+
+def prompt_logprobs_asked(req: _Request) -> int | None:
+    """How many alternatives per prompt token the engine scores: vLLM's prompt_logprobs, and
+    `logprobs` of an echoed completion prompt (the larger)."""
+    asked = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        asked = req.logprobs if asked is None else max(asked, req.logprobs)
+    return asked
 
 
 def new_id(prefix: str) -> str:

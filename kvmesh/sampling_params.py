@@ -26,7 +26,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: the log-probability of each prompt token given the ones before it, with the top
+    # `prompt_logprobs` alternatives (the first token has none). Computed without the prefix cache.
+    prompt_logprobs: int | None = None
+    # Parallel sampling (worker/parallel_sampling.py): `best_of` sequences (default n) share the
+    # prompt's KV blocks; the n with the highest cumulative logprob are returned. Sequence i draws
+    # from seed + i when a seed is given.
+    best_of: int | None = None
 
+    MAX_SEQUENCES = 32
     MAX_STOP_STRINGS = 64
     MAX_STOP_STRING_CHARS = 512
     MAX_LOGPROBS = 20
@@ -44,8 +52,11 @@ class SamplingParams:
         def fail(name, limit, value):
             raise ValueError(f"{name} must be {limit}, got {value!r}")
 
-        if self.n != 1:
-            fail("n", "1 (only one completion per request is supported)", self.n)
+        if not _is_int(self.n) or not 1 <= self.n <= self.MAX_SEQUENCES:
+            fail("n", f"in [1, {self.MAX_SEQUENCES}]", self.n)
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= self.MAX_SEQUENCES):
+            fail("best_of", f"in [n, {self.MAX_SEQUENCES}] (n is {self.n})", self.best_of)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail("max_tokens", ">= 1", self.max_tokens)
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
@@ -69,12 +80,25 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             fail("logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            fail("prompt_logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.prompt_logprobs)
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
             fail("repetition_penalty", "in (0, 10]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 fail(name, "in [-2, 2]", value)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated: best_of, else n."""
+        return self.best_of or self.n
+
+    @property
+    def needs_sampled_logprobs(self) -> bool:
+        """The sampler computes each sampled token's logprob: asked, or to rank best_of."""
+        return self.logprobs is not None or self.num_sequences > self.n
 
     @property
     def greedy(self) -> bool:

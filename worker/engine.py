@@ -15,6 +15,8 @@ from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.model_builder import build_model, resolve_device_dtype
 from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel_sampling import sequence_params
+from kvmesh.worker.prompt_logprobs import add_chunk, new_prompt_logprobs
 from kvmesh.worker.scheduler import Scheduler
 from kvmesh.worker.sequence import Request
 
@@ -99,6 +101,11 @@ class Engine:
         if not isinstance(request.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvmesh.SamplingParams")
         request.sampling_params.validate()
+        num_sequences = request.sampling_params.num_sequences
+        if num_sequences > self.config.max_num_seqs:
+            name = "best_of" if request.sampling_params.best_of else "n"
+            raise ValueError(f"{name} is {num_sequences}; this engine runs at most "
+                             f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
 
     def _check_block_hashes(self, request: EngineRequest) -> None:
         """Hashes computed by the caller are used as they are, so they must be this engine's cut."""
@@ -113,23 +120,38 @@ class Engine:
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; raises ValueError naming the field and the limit."""
         self.validate_request(request)
-        ids, params = request.prompt_token_ids, request.sampling_params
+        req = self._new_sequence(request, 0)
+        if request.sampling_params.num_sequences > 1:  # worker/parallel_sampling.py
+            req.pending_forks = [self._new_sequence(request, i)
+                                 for i in range(1, request.sampling_params.num_sequences)]
+            req.group = [req, *req.pending_forks]
+            for child in req.pending_forks:
+                child.group = req.group
+        if req.sampling_params.prompt_logprobs is not None:
+            req.prompt_logprobs = new_prompt_logprobs()
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def _new_sequence(self, request: EngineRequest, index: int) -> Request:
+        ids, params = request.prompt_token_ids, sequence_params(request.sampling_params, index)
         req = Request(request.request_id, ids, params, self.block_size, self.hash_salt,
                       request.arrival_time or time.time(), request.prompt, request.block_hashes)
+        req.index = index
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
         if request.stream_text or params.stop:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
-        if req is None or req.is_finished:
+        if req is None:
             return
-        self._finish(req, "abort")
-        self._finished_out.append(self._delta(req, [], None))
+        aborted = [m for m in req.group or [req] if not m.is_finished]  # forked or not
+        for member in aborted:
+            self._finish(member, "abort")
+        self._finished_out.append(self._delta(aborted[-1], [], None))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._finished_out) or self._in_flight is not None
@@ -151,6 +173,8 @@ class Engine:
         if not output.is_empty:
             previous_samples = self._in_flight[1] if self._in_flight is not None else None
             launched = self.runner.execute(output, previous_samples)
+            for chunk in self.runner.take_prompt_logprobs():
+                add_chunk(chunk.request.prompt_logprobs, chunk)
             self.scheduler.advance(output)
             if launched is not None:
                 for row, req in enumerate(launched.requests):
@@ -213,13 +237,17 @@ class Engine:
         req.finish_reason = reason
         req.finish_time = time.time()
         self.scheduler.finish(req)
-        del self.requests[req.request_id]
+        if req.group is None or all(member.is_finished for member in req.group):
+            del self.requests[req.request_id]
 
     def _fail_unschedulable(self) -> list[TokenDelta]:
         """With nothing running, a waiting request that still does not fit never will: end it."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         req = self.scheduler.waiting[0]
+        for member in req.group or []:  # the request's other sequences end with it
+            if member is not req and not member.is_finished:
+                self._finish(member, "length" if member.output_token_ids else "error")
         self._finish(req, "length" if req.output_token_ids else "error")
         logger.warning("request %s needs more KV blocks than the pool has (%d); ended",
                        req.request_id, self.block_manager.num_blocks)
@@ -230,13 +258,18 @@ class Engine:
 
     def _delta(self, req: Request, token_ids: list[int], logprob, top=None) -> TokenDelta:
         text = req.detokenizer.take_delta(final=req.is_finished) if req.detokenizer is not None else ""
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_resolved_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
+            prompt_logprobs=prompt_logprobs, index=req.index,
+            more_sequences=req.group is not None and any(not m.is_finished for m in req.group))
 
     # ---- state for the router ----------------------------------------------------------------
 

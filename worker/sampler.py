@@ -136,7 +136,7 @@ class Sampler:
                 tokens = sampled
             else:
                 tokens[rows] = sampled
-        if not any(p.logprobs is not None for p in params):
+        if not any(p.needs_sampled_logprobs for p in params):
             return PendingSample(requests, tokens, None, None, None)
         logp = torch.log_softmax(logits, dim=-1)  # of the model's (penalised) distribution
         sampled_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -44,12 +44,22 @@ class Request:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None  # per-request, for seeded sampling
+        # SamplingParams.prompt_logprobs: the prompt tokens scored so far (worker/prompt_logprobs.py),
+        # sent with the first delta that has a token.
+        self.prompt_logprobs = None
+        self.prompt_logprobs_sent = False
         self.detokenizer = None  # set by the engine
         # Async scheduling: the token sampled by the step in flight is a placeholder (-1) at the end
         # of the token lists until its step is processed; pending_row is its row in that step's
         # sampled tokens, from which the next step reads it on the device.
         self.num_pending = 0
         self.pending_row = -1
+        # Parallel sampling (worker/parallel_sampling.py): this sequence's index among the
+        # request's, every sequence of the request (shared list; None when it has one), and the
+        # sequences that fork off this one when its prompt is computed.
+        self.index = 0
+        self.group: list[Request] | None = None
+        self.pending_forks: list[Request] = []
 
     @property
     def num_tokens(self) -> int:

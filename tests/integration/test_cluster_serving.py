@@ -188,7 +188,8 @@ BAD_REQUESTS = [
     ({"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
     ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": MESSAGES, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
-    ({"messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"messages": MESSAGES, "n": 0}, 400, "n"),
+    ({"messages": MESSAGES, "best_of": 2}, 400, "best_of"),
     ({"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
@@ -296,6 +297,125 @@ def test_grpc_abort_ends_the_stream_with_abort(cluster):
     assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="abort-me")).found
     rest = list(stream)
     assert rest[-1].finish_reason == "abort"
+
+
+# ---- n > 1, best_of, echo, prompt_logprobs (issue 14 points 3-4) ----------------------------------
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    from kvmesh import LLM
+
+    return LLM(MODEL, device="cpu")
+
+
+def test_n3_gives_three_choices_each_as_a_request_with_seed_plus_index(openai_client, offline_llm):
+    from kvmesh import SamplingParams
+
+    r = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                              temperature=0.8, seed=SEED, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    expected = [offline_llm.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0.8, seed=SEED + i),
+                                 use_tqdm=False)[0] for i in range(3)]
+    assert [c.message.content for c in r.choices] == [e.text for e in expected]
+    assert len({c.message.content for c in r.choices}) > 1
+    assert r.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+
+
+def test_streamed_n3_completion_has_a_choice_index_per_sequence(openai_client):
+    body = dict(model=MODEL, prompt="The sea is", max_tokens=12, temperature=0.8, seed=SEED, n=3)
+    whole = openai_client.completions.create(**body)
+    texts, finishes = {}, {}
+    for chunk in openai_client.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert sorted(finishes) == [0, 1, 2]
+
+
+def test_best_of_returns_n_choices_and_is_refused_with_stream(cluster, openai_client):
+    r = openai_client.completions.create(model=MODEL, prompt="The sea is", max_tokens=8,
+                                         temperature=1.0, seed=SEED, n=2, best_of=4,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 4 * 8, "every generated sequence counts"
+    code, err, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3,
+                                                     "stream": True})
+    assert (code, err["error"]["param"]) == (400, "best_of")
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(openai_client, offline_llm):
+    from kvmesh import SamplingParams
+
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                         logprobs=1, echo=True)
+    choice, n_prompt = r.choices[0], r.usage.prompt_tokens
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    offline = offline_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                            prompt_logprobs=1), use_tqdm=False)[0]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(offline.prompt_logprobs.logprobs[1:], abs=1e-4)
+    assert all(max(top.values()) >= value - 1e-6
+               for top, value in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+
+
+def test_streamed_echo_sends_the_prompt_first(openai_client):
+    chunks = list(openai_client.completions.create(model=MODEL, prompt="abc abc", max_tokens=3,
+                                                   temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text == "abc abc"
+    assert "".join(c.choices[0].text for c in chunks).startswith("abc abc")
+
+
+def test_vllm_prompt_logprobs_rank_each_prompt_token(cluster):
+    code, body, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "hello there",
+                                                      "max_tokens": 1, "prompt_logprobs": 2})
+    assert code == 200
+    scores = body["choices"][0]["prompt_logprobs"]
+    assert len(scores) == body["usage"]["prompt_tokens"] and scores[0] is None
+    for entry in scores[1:]:
+        assert {1, 2} <= {v["rank"] for v in entry.values()}, "the top 2, and the prompt token"
+        assert all(v["logprob"] <= 0 for v in entry.values())
+    code, chat, _ = post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                           "max_tokens": 1, "prompt_logprobs": 0})
+    assert code == 200 and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_grpc_n2_streams_messages_of_both_indices(cluster):
+    msgs = list(grpc_stream(cluster.grpc_target, prompt="The sea is", max_tokens=6,
+                            temperature=0.8, seed=SEED, n=2))
+    assert {m.index for m in msgs if m.token_ids} == {0, 1}
+    assert sorted(m.index for m in msgs if m.finish_reason) == [0, 1]
+    assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="x", max_tokens=2, n=1, best_of=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "best_of" in e.value.details()
+
+
+def test_lm_eval_runs_a_loglikelihood_and_a_generate_until_task(cluster, tmp_path):
+    """bench/lm_eval_local.py (docs/SERVING.md) against the served model, on the shipped tasks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("lm_eval", reason="lm-eval is the [eval] extra: pip install -e '.[eval]'")
+    from kvmesh.worker.presets import PRESETS, build_byte_tokenizer
+
+    build_byte_tokenizer(PRESETS[MODEL.split(":")[1]]["vocab_size"]).save_pretrained(tmp_path / "tok")
+    script = Path(__file__).resolve().parents[2] / "bench" / "lm_eval_local.py"
+    out = tmp_path / "results.json"
+    run = subprocess.run([sys.executable, str(script), "--base-url", cluster.http_url,
+                          "--tokenizer", str(tmp_path / "tok"), "--model", MODEL, "--limit", "4",
+                          "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert 0 <= results["kvmesh_capitals"]["acc,none"] <= 1
+    assert 0 <= results["kvmesh_addition"]["exact_match,first_number"] <= 1
+    assert results["kvmesh_capitals"]["sample_len"] == results["kvmesh_addition"]["sample_len"] == 4
 
 
 # ---- faults (last: it kills a replica) ------------------------------------------------------------

@@ -36,7 +36,7 @@ HTTP_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_toke
                "top_p", "top_k", "min_p", "seed", "stop", "n", "stream", "stream_options", "user",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                "logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "best_of",
-               "suffix")
+               "suffix", "prompt_logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,7 @@ FIELDS = {
     "tools": json_value, "logit_bias": json_value, "echo": st.booleans() | json_value,
     "max_completion_tokens": st.integers(-1, MAX_OUTPUT + 2) | json_value,
     "top_logprobs": st.integers(-1, 25) | json_value,
+    "prompt_logprobs": st.integers(-1, 25) | json_value, "best_of": st.integers(-1, 4) | json_value,
 }
 
 completion_body = st.fixed_dictionaries(

@@ -198,3 +198,19 @@ def test_a_consumer_that_fell_behind_gets_what_is_waiting_as_one_delta():
     assert coalesce(merged, tail) is merged and tail.qsize() == 1
     with pytest.raises(ValueError, match="request_id"):
         deltas[0].followed_by(dataclasses.replace(deltas[1], request_id="other"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_n3_request_streams_every_sequence_and_counts_their_tokens(mode):
+    """Parallel sampling through the transports: one stream carries the three sequences' deltas
+    (by index); it ends with the last sequence, and every sequence's tokens are counted."""
+    async def body(loop):
+        params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+        deltas = await drain(loop.submit(EngineRequest("g", list(range(10)), params)))
+        tokens = {i: sum(len(d.token_ids) for d in deltas if d.index == i) for i in range(3)}
+        assert tokens == {0: 5, 1: 5, 2: 5}
+        assert sorted(d.index for d in deltas if d.finish_reason) == [0, 1, 2]
+        assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+        assert loop.stats.generation_tokens == 15 and loop.stats.finished == 1
+        assert loop.num_streams == 0
+    run_with_loop(mode, body)
