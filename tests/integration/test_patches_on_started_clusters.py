@@ -16,9 +16,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # deploy_support
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # raw_http
@@ -44,16 +47,18 @@ print("proxies started", flush=True)
 """
 
 
-@pytest.fixture(params=["node env of deploy/aws.yaml", "without the hook variable"])
-def serve_on_started_cluster(request, tmp_path):
+@contextmanager
+def ray_head(tmp_path, with_hook: bool):
+    """A Ray head started as deploy/aws.yaml's head starts it (without its hook variable unless
+    `with_hook`); yields (namespace, GCS address, the environment of a client on the node)."""
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
     head_env = {name: value.replace("$HOME", str(home))
                 for name, value in ray_start_env(ray_start_commands(load("aws.yaml"))["head"]).items()}
-    if request.param == "without the hook variable":
+    if not with_hook:
         del head_env[SETUP_HOOK_ENV]
-    gcs_port, http_port = free_port(), free_port()
+    gcs_port = free_port()
     ray_temp = tempfile.mkdtemp(prefix="kvp")  # Ray's socket paths must stay short
     base_env = {name: value for name, value in os.environ.items()
                 if not name.startswith(("RAY_", "KVMESH_", "__RAY"))}
@@ -62,21 +67,27 @@ def serve_on_started_cluster(request, tmp_path):
     ray = str(Path(sys.executable).with_name("ray"))
     try:
         start = subprocess.run(namespace.command([
-            ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=2",
+            ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=4",
             "--include-dashboard=false", f"--object-store-memory={100 << 20}", f"--temp-dir={ray_temp}"]),
             env=base_env | head_env, capture_output=True, text=True, timeout=180)
         assert start.returncode == 0, start.stdout + start.stderr
-        # the driver is a client of the cluster, as on a node's shell: the token, not the hook
+        # a client of the cluster, as on a node's shell (deploy/aws.yaml's ~/.bashrc): the token only
         client_env = base_env | {"RAY_AUTH_MODE": "token",
                                  "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")}
-        driver = subprocess.run(namespace.command([sys.executable, "-c", DRIVER, f"127.0.0.1:{gcs_port}",
-                                                   str(http_port)]),
-                                env=client_env, capture_output=True, text=True, timeout=300)
-        assert driver.returncode == 0 and "proxies started" in driver.stdout, driver.stderr[-3000:]
-        yield request.param, http_port
+        yield namespace, f"127.0.0.1:{gcs_port}", client_env
     finally:
         namespace.close()
         shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+@pytest.fixture(params=["node env of deploy/aws.yaml", "without the hook variable"])
+def serve_on_started_cluster(request, tmp_path):
+    http_port = free_port()
+    with ray_head(tmp_path, with_hook=request.param == "node env of deploy/aws.yaml") as (namespace, gcs, env):
+        driver = subprocess.run(namespace.command([sys.executable, "-c", DRIVER, gcs, str(http_port)]),
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert driver.returncode == 0 and "proxies started" in driver.stdout, driver.stderr[-3000:]
+        yield request.param, http_port
 
 
 def status_and_head(sock) -> tuple[int, bytes]:
@@ -102,3 +113,38 @@ def test_a_proxy_of_a_cluster_started_with_ray_start_answers_431_only_with_the_n
     with connect(port) as sock:  # a head within the limit is served either way (no app: 404)
         sock.sendall(request("GET", "/v1/models"))
         assert status_and_head(sock)[0] == 404
+
+
+@pytest.mark.parametrize("node_hook", [False, True], ids=["nodes without the hook", "nodes with it (ray up)"])
+def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path, node_hook):
+    """`kvmesh serve --address`: the job's runtime_env carries the hook and the config's
+    server.max_header_bytes to the proxies it starts, whether the nodes name the hook (as
+    deploy/aws.yaml's do: the two agree) or not."""
+    max_header_bytes = 16_384
+    config = tmp_path / "kvmesh.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "random:tiny-llama", "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
+        "server": {"host": "127.0.0.1", "max_header_bytes": max_header_bytes}}))
+    http_port = free_port()
+    log = tmp_path / "serve.log"
+    with ray_head(tmp_path, with_hook=node_hook) as (namespace, gcs, env), open(log, "w") as out:
+        serve = subprocess.Popen(namespace.command([
+            sys.executable, "-m", "kvmesh.cli", "serve", str(config), "--address", gcs,
+            "--http-port", str(http_port), "--grpc-port", "0"]), env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 420
+            while "Ctrl-C stops it." not in log.read_text():
+                assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.5)
+            with connect(http_port) as sock:
+                sock.sendall(request("GET", "/v1/models", headers={"X-Fill": "a" * (max_header_bytes + 1024)}))
+                status, head = status_and_head(sock)
+            assert status == 431, head
+            with connect(http_port) as sock:  # within the config's limit: served by kvmesh
+                sock.sendall(request("GET", "/v1/models", headers={"X-Fill": "a" * (max_header_bytes // 2)}))
+                status, head = status_and_head(sock)
+            assert status == 200, head
+        finally:
+            serve.kill()  # nsenter; the namespace's close ends what it started
+            serve.wait(30)
