@@ -40,6 +40,10 @@ async def serve_direct(app, sock: socket.socket, server) -> None:
 
     from kvmesh.cluster.http_protocol import bounded_protocol
 
+    if server.stream_idle_timeout_s > 0:
+        from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout
+
+        app = StreamIdleTimeout(app, server.stream_idle_timeout_s)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             http=bounded_protocol(server.max_header_bytes, server.header_timeout_s),
                             timeout_keep_alive=server.keep_alive_timeout_s)

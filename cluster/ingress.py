@@ -68,8 +68,8 @@ def _prompt(req, kind: str) -> Prompt:
 
 
 async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
-    """The SSE body of a stream; when the client goes, Starlette closes this generator and the
-    stream with it (which aborts the request on the worker)."""
+    """The SSE body of a stream; closing it closes the stream (which aborts the request on the
+    worker): SseResponse does so however the response ends."""
     async with stream:
         role = shaper.role_chunk(include_usage)
         if role is not None:
@@ -85,6 +85,28 @@ async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
                                          stream.num_tokens, last.num_cached_tokens))
         yield SSE_DONE
+
+
+class SseResponse(StreamingResponse):
+    """A StreamingResponse that closes its body and the worker stream when it ends, however it
+    ends. Starlette 1.x does not close the body iterator: when a client goes while the response
+    waits in `send` (its socket full: a client that stopped reading, cut by the stream idle
+    timeout), Starlette cancels the response there, outside the generator, which stays suspended
+    at a `yield` holding the worker stream open until the garbage collector finalizes it, which
+    Serve's frozen, slowed GC does late or never: the engine generated on (70-77% of unread
+    streams' tokens on the direct port; docs/RELIABILITY.md "Backpressure"). On Serve's proxy
+    path the ingress's `send` never waits, so the cancel lands inside the generator instead."""
+
+    def __init__(self, stream: DeltaStream, body, **kwargs):
+        super().__init__(body, **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._stream.aclose()  # also when the body never started
 
 
 # Module functions the routes call are defined above the class: Serve copies the class when
@@ -197,7 +219,7 @@ class Ingress(GrpcService):
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage),
+                return SseResponse(stream, _sse(stream, shaper, include_usage),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
