@@ -4,6 +4,9 @@ the replicas of a node), so a request and its streamed chunks skip Serve's HTTP 
 costs as much CPU per chunk as the ingress itself (docs/PERF.md "Serving cluster"). Serve's proxy
 port keeps serving the same app beside it.
 
+It has the request-head bounds of Serve's proxy (cluster/http_protocol.py) and its stream idle
+timeout (cluster/stream_idle_timeout.py's middleware around the app).
+
 The routes are the Ingress class's methods; Serve's class-based view finds the instance through the
 replica context, which this process has, so they run unchanged.
 """

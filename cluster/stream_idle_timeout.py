@@ -1,5 +1,5 @@
-"""Serve's HTTP and gRPC proxies end a response whose client has stopped reading
-(`server.stream_idle_timeout_s`).
+"""Serve's HTTP and gRPC proxies, and the ingress's direct HTTP port (cluster/direct_http.py),
+end a response whose client has stopped reading (`server.stream_idle_timeout_s`).
 
 Why in the proxy: it is the only process on the path that sees a client stop reading. Its uvicorn
 `send` waits while the socket's write buffer is full (uvicorn's flow control), so the proxy stops
