@@ -5,6 +5,9 @@ sockets on 127.0.0.1 to Serve's HTTP proxy and to the ingress's direct port:
   their connections, the engine aborts every one (nothing running, every KV block free) well before
   they could have finished, each connection is reset, and the memory of the process writing to
   them (the proxy; the ingress replica on the direct port) is back near where it was;
+- 40 streams whose clients close their connections while the server's send waits on them: the
+  engine is idle within the idle timeout of the close (the direct port, before SseResponse, went on
+  generating for 36 s);
 - a client that reads one 16 KiB chunk a second, far behind what the worker writes, is not cut and
   gets every token, on both.
 
@@ -104,6 +107,27 @@ def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster, pat
     finally:
         for s in sockets:
             s.close()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_clients_that_close_unread_streams_stop_the_engine(cluster, path):
+    """A client that closes its connection while the server's send waits on it (its buffers full):
+    the request ends on the engine at the disconnect, before the idle timeout could cut it."""
+    port = getattr(cluster, PATHS[path][0])
+    wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
+    tokens_before = worker_row(cluster)["tokens_out"]
+    sockets = [open_stream(port, UNREAD_MAX_TOKENS, rcvbuf=4096)[0] for _ in range(NUM_UNREAD)]
+    time.sleep(IDLE_TIMEOUT_S / 2)  # the first streams' buffers fill; the timeout cuts none yet
+    for s in sockets:
+        s.close()  # unread data in its receive buffer: Linux resets the connection
+    closed = time.monotonic()
+    wait_until(lambda: idle(worker_row(cluster)), 60, interval_s=0.2, what="every closed stream aborted")
+    stopped_after_s = time.monotonic() - closed
+    generated = worker_row(cluster)["tokens_out"] - tokens_before
+    print(f"{path}: {NUM_UNREAD} closed streams idle on the engine {stopped_after_s:.1f} s after the "
+          f"clients closed; {generated} of {NUM_UNREAD * UNREAD_MAX_TOKENS} tokens generated")
+    assert stopped_after_s < IDLE_TIMEOUT_S
+    assert generated < NUM_UNREAD * UNREAD_MAX_TOKENS // 4
 
 
 @pytest.mark.parametrize("path", list(PATHS))
