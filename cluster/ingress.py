@@ -93,9 +93,10 @@ class SseResponse(StreamingResponse):
     waits in `send` (its socket full: a client that stopped reading, cut by the stream idle
     timeout), Starlette cancels the response there, outside the generator, which stays suspended
     at a `yield` holding the worker stream open until the garbage collector finalizes it, which
-    Serve's frozen, slowed GC does late or never: the engine generated on (70-77% of unread
-    streams' tokens on the direct port; docs/RELIABILITY.md "Backpressure"). On Serve's proxy
-    path the ingress's `send` never waits, so the cancel lands inside the generator instead."""
+    Serve's frozen, slowed GC does late or never: the engine generated on (70% of unread
+    streams' tokens on the direct port, and 36 s after clients closed; docs/RELIABILITY.md
+    "Backpressure"). On Serve's proxy path the ingress's `send` never waits, so the cancel lands
+    inside the generator instead."""
 
     def __init__(self, stream: DeltaStream, body, **kwargs):
         super().__init__(body, **kwargs)
@@ -220,8 +221,8 @@ class Ingress(GrpcService):
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
                 return SseResponse(stream, _sse(stream, shaper, include_usage),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                                   media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
             last = result.last
             return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
