@@ -71,8 +71,8 @@ def _prompt(req, kind: str) -> Prompt:
 
 async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool,
                choices: StreamChoices | None = None):
-    """The SSE body of a stream; when the client goes, Starlette closes this generator and the
-    stream with it (which aborts the request on the worker). `choices` makes the chunks (n > 1,
+    """The SSE body of a stream; closing it closes the stream (which aborts the request on the
+    worker): SseResponse does so however the response ends. `choices` makes the chunks (n > 1,
     echo: cluster/openai_choices.py)."""
     async with stream:
         choices = choices or StreamChoices(shaper, include_usage, None, 1)
@@ -86,6 +86,29 @@ async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool,
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
                                          stream.num_tokens, last.num_cached_tokens))
         yield SSE_DONE
+
+
+class SseResponse(StreamingResponse):
+    """A StreamingResponse that closes its body and the worker stream when it ends, however it
+    ends. Starlette 1.x does not close the body iterator: when a client goes while the response
+    waits in `send` (its socket full: a client that stopped reading, cut by the stream idle
+    timeout), Starlette cancels the response there, outside the generator, which stays suspended
+    at a `yield` holding the worker stream open until the garbage collector finalizes it, which
+    Serve's frozen, slowed GC does late or never: the engine generated on (70% of unread
+    streams' tokens on the direct port, and 36 s after clients closed; docs/RELIABILITY.md
+    "Backpressure"). On Serve's proxy path the ingress's `send` never waits, so the cancel lands
+    inside the generator instead."""
+
+    def __init__(self, stream: DeltaStream, body, **kwargs):
+        super().__init__(body, **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._stream.aclose()  # also when the body never started
 
 
 # Module functions the routes call are defined above the class: Serve copies the class when
@@ -200,9 +223,9 @@ class Ingress(GrpcService):
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
                 choices = StreamChoices(shaper, include_usage, echo, req.n)
-                return StreamingResponse(_sse(stream, shaper, include_usage, choices),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return SseResponse(stream, _sse(stream, shaper, include_usage, choices),
+                                   media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
             last = result.last
             return whole_body(shaper, result, admitted.routed.sampling_params, kind, echo,
