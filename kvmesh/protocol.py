@@ -135,6 +135,8 @@ class TokenDelta:
     arrival_time: float = 0.0
     # With finish_reason "error": the worker's engine died, not the request; another worker may run it.
     retryable: bool = False
+    # vLLM's: with finish_reason "stop", the stop string or stop token id that ended it (None: EOS)
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,7 +154,7 @@ class TokenDelta:
             _joined(self.logprobs, later.logprobs), _joined(self.top_logprobs, later.top_logprobs),
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
-            self.arrival_time or later.arrival_time, later.retryable)
+            self.arrival_time or later.arrival_time, later.retryable, later.stop_reason)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:
@@ -175,3 +177,4 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     metrics: dict = field(default_factory=dict)
+    stop_reason: str | int | None = None  # as TokenDelta.stop_reason

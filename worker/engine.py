@@ -44,6 +44,7 @@ class Engine:
                                   self.device, self.dtype, config.attention_backend, config.seed,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile)
+        self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # masked by min_tokens
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
@@ -99,6 +100,11 @@ class Engine:
         if not isinstance(request.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvmesh.SamplingParams")
         request.sampling_params.validate()
+        params = request.sampling_params
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} must be token ids in [0, {vocab}), got {max(ids)}")
 
     def _check_block_hashes(self, request: EngineRequest) -> None:
         """Hashes computed by the caller are used as they are, so they must be this engine's cut."""
@@ -120,7 +126,9 @@ class Engine:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
         if request.stream_text or params.stop:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                     params.skip_special_tokens,
+                                                     params.include_stop_str_in_output)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -195,13 +203,21 @@ class Engine:
         return deltas
 
     def _check_finish(self, req: Request, token: int) -> str | None:
+        """The finish reason after `token`, or None; a stop sets req.stop_reason (vLLM's: the stop
+        string or stop token id, None for EOS). Before min_tokens nothing but the length stops."""
         params = req.sampling_params
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        stop = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
+        detok = req.detokenizer
+        before_min = req.num_resolved_output_tokens <= params.min_tokens - 1
+        if not before_min:
+            stop_token = token in params.stop_token_ids
+            if stop_token or (not params.ignore_eos and token in self.eos_token_ids):
+                req.stop_reason = token if stop_token else None
+                if detok is not None and params.include_stop_str_in_output:
+                    detok.add_tokens([token], check_stop=False)
+                return "stop"
+        stop = detok.add_tokens([token], check_stop=not before_min) if detok is not None else None
         if stop is not None:
+            req.stop_reason = stop
             return "stop"
         num_tokens = req.num_tokens - req.num_pending
         if req.num_resolved_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
@@ -236,7 +252,8 @@ class Engine:
             num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_resolved_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
+            stop_reason=req.stop_reason)
 
     # ---- state for the router ----------------------------------------------------------------
 
