@@ -9,6 +9,7 @@ disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio
+import contextlib
 import functools
 import json
 import time
@@ -29,7 +30,7 @@ from kvmesh.cluster.status import worker_rows
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
-                                            parse_request, sampling_params)
+                                            parse_request, sampling_params, usage)
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
 from kvmesh.serve_config import parse_config
 
@@ -53,38 +54,110 @@ def _max_tokens_param(req) -> str:
             else "max_tokens")
 
 
-def _prompt(req, kind: str) -> Prompt:
+# Prompts in one completions request (each is a choice, answered with its index, as vLLM).
+MAX_PROMPTS_PER_REQUEST = 64
+
+
+def _prompts(req, kind: str) -> list[Prompt]:
+    """The request's prompts: one for chat; for completions a string, a list of token ids, or a
+    list of either (one choice each)."""
     if kind == "chat":
-        return Prompt("messages", messages=chat_prompt_text(req.messages))
+        return [Prompt("messages", messages=chat_prompt_text(req.messages))]
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "prompt: one prompt per request (batches are not supported)",
-                           param="prompt")
-        prompt = prompt[0]
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [_one_prompt(prompt, "prompt")]
+    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+        raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; the limit is "
+                       f"{MAX_PROMPTS_PER_REQUEST}", param="prompt")
+    if len(prompt) == 1:
+        return [_one_prompt(prompt[0], "prompt")]
+    return [_one_prompt(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+
+
+def _one_prompt(prompt, param: str) -> Prompt:
     if isinstance(prompt, str):
-        return Prompt("prompt", text=prompt)
-    return Prompt("prompt", token_ids=list(prompt))
+        return Prompt(param, text=prompt)
+    return Prompt(param, token_ids=list(prompt))
 
 
-async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
-    """The SSE body of a stream; when the client goes, Starlette closes this generator and the
-    stream with it (which aborts the request on the worker)."""
-    async with stream:
+async def _merged(streams: list[DeltaStream]):
+    """(choice index, delta) of every stream as they come."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    iters = [s.__aiter__() for s in streams]
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.get):
+                i = pending.pop(future)
+                try:
+                    delta = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, delta
+                pending[asyncio.ensure_future(iters[i].__anext__())] = i
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _sse(streams: list[DeltaStream], shaper: Shaper, include_usage: bool,
+               continuous_usage: bool = False):
+    """The SSE body of a request's streams (one per prompt); when the client goes, Starlette
+    closes this generator and the streams with it (which aborts the requests on the workers)."""
+    async with contextlib.AsyncExitStack() as stack:
+        for stream in streams:
+            await stack.enter_async_context(stream)
         role = shaper.role_chunk(include_usage)
         if role is not None:
             yield sse(role)
-        offset = 0
-        async for delta in stream:
-            yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
-                                         delta.top_logprobs, delta.finish_reason, offset,
-                                         include_usage))
-            offset += len(delta.text)
+        offsets, counts = [0] * len(streams), [0] * len(streams)
+        async for i, delta in _merged(streams):
+            counts[i] += len(delta.token_ids)
+            so_far = (usage(_prompt_tokens(streams[i], delta), counts[i], delta.num_cached_tokens)
+                      if continuous_usage else None)
+            chunk = shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
+                                       delta.top_logprobs, delta.finish_reason, offsets[i],
+                                       include_usage, delta.stop_reason, so_far)
+            chunk["choices"][0]["index"] = i
+            yield sse(chunk)
+            offsets[i] += len(delta.text)
         if include_usage:
-            last = stream.last
-            yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
-                                         stream.num_tokens, last.num_cached_tokens))
+            yield sse(shaper.usage_chunk(sum(_prompt_tokens(s, s.last) for s in streams),
+                                         sum(s.num_tokens for s in streams),
+                                         sum(s.last.num_cached_tokens for s in streams)))
         yield SSE_DONE
+
+
+def _prompt_tokens(stream: DeltaStream, delta) -> int:
+    return delta.num_prompt_tokens or stream.routed.num_prompt_tokens
+
+
+def _combined(bodies: list[dict]) -> dict:
+    """One response of several prompts' bodies: their choices by index, their usage summed."""
+    body = bodies[0]
+    if len(bodies) == 1:
+        return body
+    body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+    body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
+                          sum(b["usage"]["completion_tokens"] for b in bodies),
+                          sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies))
+    return body
+
+
+async def _all(awaitables) -> list:
+    """Await all; on the first error cancel the rest (which aborts them on the workers)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # Module functions the routes call are defined above the class: Serve copies the class when
@@ -185,27 +258,36 @@ class Ingress(GrpcService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
-            admitted = await self.pipeline.admit(GenerationRequest(
-                _prompt(req, kind), functools.partial(sampling_params, req),
+            admitted = [await self.pipeline.admit(GenerationRequest(
+                prompt, functools.partial(sampling_params, req),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
-                arrival=arrival))
+                arrival=arrival)) for prompt in _prompts(req, kind)]
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
-                            admitted.routed.sampling_params.logprobs)
+                            admitted[0].routed.sampling_params.logprobs)
             if req.stream:
-                include_usage = bool((req.stream_options or {}).get("include_usage"))
-                stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            result = await self.pipeline.whole(admitted)
-            last = result.last
-            return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
-                               last.finish_reason,
-                               last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
-                               last.num_cached_tokens)
+                options = req.stream_options or {}
+                streams = []
+                try:
+                    for one in admitted:
+                        streams.append(await self.pipeline.stream(one))
+                except BaseException:
+                    for stream in streams:
+                        await stream.aclose()
+                    raise
+                return StreamingResponse(
+                    _sse(streams, shaper, bool(options.get("include_usage")),
+                         bool(options.get("continuous_usage_stats"))),
+                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            results = await _all(self.pipeline.whole(one) for one in admitted)
+            return _combined([
+                shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
+                            result.last.finish_reason,
+                            result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
+                            result.last.num_cached_tokens, result.last.stop_reason)
+                for one, result in zip(admitted, results)])
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 

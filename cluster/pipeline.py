@@ -107,6 +107,8 @@ class RequestPipeline:
         budget = self.limits.output_budget(request.max_tokens, context_left,
                                            request.max_tokens_param)
         params = request.sampling(budget)
+        if info.vocab_size is not None:
+            _check_token_ids(params, info.vocab_size)
         if params.max_tokens > context_left:
             raise ApiError(400, f"{request.max_tokens_param} is {params.max_tokens} but only "
                            f"{context_left} tokens of context are left after the prompt",
@@ -150,6 +152,15 @@ class RequestPipeline:
                            code="worker_failed", retry_after_s=1)
         self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200)
         return result
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in the sampling fields are the model's (the engine checks again)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", list(params.logit_bias or ()))):
+        if any(t >= vocab_size for t in ids):
+            raise ApiError(400, f"{name} must be token ids in [0, {vocab_size}), got {max(ids)}",
+                           param=name)
 
 
 class DeltaStream:

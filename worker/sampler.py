@@ -1,4 +1,5 @@
-"""Sampling: penalties, logit_bias, min_tokens, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampling: logit_bias and min_tokens, then penalties (vLLM's order), temperature, top-k, top-p,
+min-p, per-request seeds, logprobs.
 
 The batch is sampled with tensor operations and one host sync (the final .tolist()). A seeded
 request draws its randomness from its own generator, so its output does not depend on what else is
@@ -141,11 +142,11 @@ class Sampler:
         """logits: [N, vocab] for N requests (in order); one token per request, left on the device."""
         logits = logits.float()
         params = [r.sampling_params for r in requests]
+        if any(p.logit_bias or p.min_tokens for p in params):  # before penalties, as vLLM
+            logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
         for i, req in enumerate(requests):
             if params[i].uses_penalties:
                 logits[i] = apply_penalties(logits[i].clone(), params[i], req.prompt_token_ids, req.output_token_ids)
-        if any(p.logit_bias or p.min_tokens for p in params):
-            logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
         tokens = logits.argmax(dim=-1)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
