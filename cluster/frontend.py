@@ -92,10 +92,17 @@ class Frontend:
         return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
                                     self.config.server.special_tokens_in_content)
 
-    async def encode_text(self, text: str) -> list[int]:
+    async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         await self._check_chars(len(text), "prompt")
         return await self._tokenize(len(text), self.tokenizer.encode, text,
-                                    add_special_tokens=False)  # as kvmesh.LLM.generate
+                                    add_special_tokens=add_special_tokens)  # False: as kvmesh.LLM.generate
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (special tokens kept, as vLLM's /detokenize); off the loop when long."""
+        if len(token_ids) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.decode(token_ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, token_ids)
 
     async def max_prompt_chars(self) -> int:
         limits = self.config.limits

@@ -23,6 +23,7 @@ from kvmesh.cluster import process_metrics
 from kvmesh.cluster.auth import ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
+from kvmesh.cluster.generation import Collected
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
@@ -32,6 +33,7 @@ from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, Com
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params, usage)
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
+from kvmesh.cluster import tokenize_api
 from kvmesh.serve_config import parse_config
 
 # FastAPI's own docs routes answer anyone: off here, and served by the ingress below (behind the
@@ -149,17 +151,6 @@ def _combined(bodies: list[dict]) -> dict:
     return body
 
 
-async def _all(awaitables) -> list:
-    """Await all; on the first error cancel the rest (which aborts them on the workers)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 # Module functions the routes call are defined above the class: Serve copies the class when
 # `serve.ingress` decorates it, with the names the module holds at that point.
 @serve.ingress(app)
@@ -207,6 +198,49 @@ class Ingress(GrpcService):
         return {"object": "list", "data": [{
             "id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
+
+    @app.get("/version")
+    async def version(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        from kvmesh import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt or chat messages, tokenized as the generation endpoints do."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            req = tokenize_api.parse(await self._json(request), tokenize_api.TokenizeCompletion)
+            self.frontend.check_model(req.model)
+            if isinstance(req, tokenize_api.TokenizeChat):
+                ids = await self.frontend.encode_chat(chat_prompt_text(req.messages))
+            else:
+                ids = await self.frontend.encode_text(req.prompt, req.add_special_tokens)
+            info = await self.frontend.model_info()
+            strs = (self.frontend.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs
+                    else None)
+            return tokenize_api.tokenize_response(ids, info.max_model_len, strs)
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids -> {"prompt": text}."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            req = tokenize_api.parse(await self._json(request), tokenize_api.Detokenize)
+            self.frontend.check_model(req.model)
+            info = await self.frontend.model_info()
+            vocab = info.vocab_size or len(self.frontend.tokenizer)
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"tokens must be token ids in [0, {vocab}), got {bad[0]}",
+                               param="tokens")
+            return {"prompt": await self.frontend.decode(req.tokens)}
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
 
     @app.get("/v1/kvmesh/workers")
     async def workers(self, request: Request):
@@ -281,7 +315,10 @@ class Ingress(GrpcService):
                     _sse(streams, shaper, bool(options.get("include_usage")),
                          bool(options.get("continuous_usage_stats"))),
                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            results = await _all(self.pipeline.whole(one) for one in admitted)
+            if len(admitted) == 1:
+                results = [await self.pipeline.whole(admitted[0])]
+            else:
+                results = await self._whole_of_several(admitted)
             return _combined([
                 shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
                             result.last.finish_reason,
@@ -291,7 +328,31 @@ class Ingress(GrpcService):
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 
+    async def _whole_of_several(self, admitted) -> list[Collected]:
+        """Several prompts' whole completions. Their worker calls are started one after the other
+        (each stream's first delta awaited), as a stream does: calls of one HTTP request started
+        at once share Serve's request context and one of them was never answered."""
+        streams = []
+        try:
+            for one in admitted:
+                streams.append(await self.pipeline.stream(one))
+            results = [Collected() for _ in streams]
+            async for i, delta in _merged(streams):
+                results[i].add(delta)
+            for result in results:
+                if result.last.finish_reason == "error":
+                    raise ApiError(503, result.last.error or "the request failed",
+                                   type="server_error", code="worker_failed", retry_after_s=1)
+            return results
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
     async def _parse(self, request: Request, kind: str):
+        return parse_request(await self._json(request),
+                             ChatCompletionRequest if kind == "chat" else CompletionRequest)
+
+    async def _json(self, request: Request):
         try:
             body = json.loads(await self.limits.read_body(request))
         except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
@@ -299,7 +360,7 @@ class Ingress(GrpcService):
         if (bad := lone_surrogate_path(body)) is not None:
             raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (not valid "
                            "Unicode text)", param=bad)
-        return parse_request(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        return body
 
     def _auth(self, request: Request, endpoint: str = "api") -> JSONResponse | None:
         try:
