@@ -167,10 +167,18 @@ class Frontend:
         self.metrics.observe_status(self.model_name, status)
         if last is None or status != 200:
             return
+        end = time.time()
+        prompt_tokens = last.num_prompt_tokens or routed.num_prompt_tokens
         self.metrics.observe_request(
-            self.model_name, routed.arrival_time, first_token, time.time(),
-            last.num_prompt_tokens or routed.num_prompt_tokens, num_output_tokens,
-            last.num_cached_tokens)
+            self.model_name, routed.arrival_time, first_token, end,
+            prompt_tokens, num_output_tokens, last.num_cached_tokens)
+        self.metrics.observe_engine_times(self.model_name, last, first_token, end,
+                                          num_output_tokens, prompt_tokens,
+                                          last.num_cached_tokens, routed.arrival_time)
+
+    def account_abort(self, routed: RoutedRequest, num_output_tokens: int) -> None:
+        """A request that ended before it finished: its client went away or aborted it."""
+        self.metrics.observe_abort(self.model_name, routed.num_prompt_tokens, num_output_tokens)
 
     def count_retry(self) -> None:
         """A request sent again after its worker died (counted whatever the request's end)."""

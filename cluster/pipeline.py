@@ -182,12 +182,14 @@ class DeltaStream:
         self._step: asyncio.Future | None = None
         self._first: TokenDelta | None = None
         self._counted = False
+        self._started = False
 
     async def start(self) -> None:
         first = await self._next()
         if first.finished and first.finish_reason == "error" and not first.token_ids:
             raise self.frontend.worker_error(first, self.prompt_param)
         self._first = first
+        self._started = True  # from here on, closing it unfinished counts as an abort
 
     def __aiter__(self):
         return self
@@ -226,6 +228,9 @@ class DeltaStream:
                                   self.num_tokens, 200)
 
     async def aclose(self) -> None:
+        if not self._counted and self._started:  # ended before it finished: aborted
+            self._counted = True
+            self.frontend.account_abort(self.routed, self.num_tokens)
         if self._aborted is not None:
             self._aborted.cancel()
         await _stop(self._step)

@@ -137,6 +137,7 @@ class TokenDelta:
     retryable: bool = False
     # vLLM's: with finish_reason "stop", the stop string or stop token id that ended it (None: EOS)
     stop_reason: str | int | None = None
+    scheduled_time: float | None = None  # when the engine first scheduled it (the worker's clock)
 
     @property
     def finished(self) -> bool:
@@ -154,7 +155,8 @@ class TokenDelta:
             _joined(self.logprobs, later.logprobs), _joined(self.top_logprobs, later.top_logprobs),
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
-            self.arrival_time or later.arrival_time, later.retryable, later.stop_reason)
+            self.arrival_time or later.arrival_time, later.retryable, later.stop_reason,
+            self.scheduled_time if self.scheduled_time is not None else later.scheduled_time)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

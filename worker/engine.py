@@ -155,6 +155,11 @@ class Engine:
             deltas.extend(self._process(*self._in_flight))
             self._in_flight = None
         output = self.scheduler.schedule()
+        if not output.is_empty:
+            scheduled_at = time.time()
+            for entry in output.scheduled:  # the end of its queue time (vLLM's queued interval)
+                if entry.request.scheduled_time is None:
+                    entry.request.scheduled_time = scheduled_at
         launched = None
         if not output.is_empty:
             previous_samples = self._in_flight[1] if self._in_flight is not None else None
@@ -253,7 +258,7 @@ class Engine:
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
             first_token_time=req.first_token_time, arrival_time=req.arrival_time,
-            stop_reason=req.stop_reason)
+            stop_reason=req.stop_reason, scheduled_time=req.scheduled_time)
 
     # ---- state for the router ----------------------------------------------------------------
 

@@ -411,6 +411,31 @@ def test_version(cluster):
         assert json.load(resp) == {"version": kvmesh.__version__}
 
 
+def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_client):
+    openai_client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stream = openai_client.completions.create(model=MODEL, prompt="leave early", max_tokens=1500,
+                                              temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    abort = f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="abort"}}'
+    deadline = time.monotonic() + 15
+    while metrics(cluster).get(abort, 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = metrics(cluster)
+    assert found[abort] >= 1
+    assert found[f'kvmesh_requests_aborted_total{{model="{MODEL}"}}'] >= 1
+    assert found[f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="length"}}'] >= 1
+    names = {k.split("{")[0] for k in found}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in names, name
+    assert found[f'vllm:request_queue_time_seconds_count{{model_name="{MODEL}"}}'] >= 1
+
+
 # ---- faults (last: it kills a replica) ------------------------------------------------------------
 
 def test_metrics_export_the_contract_names(cluster):
