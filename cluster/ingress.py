@@ -24,6 +24,7 @@ from kvmesh.cluster.auth import ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.generation import Collected
+from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
@@ -154,7 +155,7 @@ def _combined(bodies: list[dict]) -> dict:
 # Module functions the routes call are defined above the class: Serve copies the class when
 # `serve.ingress` decorates it, with the names the module holds at that point.
 @serve.ingress(app)
-class Ingress(GrpcService):
+class Ingress(GrpcService, HealthService):
     def __init__(self, workers, config: dict):
         self.config = parse_config(config)
         self.frontend = Frontend(self.config, workers)

@@ -436,6 +436,38 @@ def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_clie
     assert found[f'vllm:request_queue_time_seconds_count{{model_name="{MODEL}"}}'] >= 1
 
 
+def test_grpc_health_v1_follows_the_workers(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvmesh.v1.Generation"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def test_grpc_takes_the_sampling_fields_and_returns_stop_reason(cluster):
+    responses = list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=8, temperature=0.0,
+                                 logit_bias={65: 100.0}, stop_token_ids=[65], min_tokens=2,
+                                 include_stop_str_in_output=True))
+    last = responses[-1]
+    assert last.finish_reason == "stop" and last.WhichOneof("stop_reason") == "stop_token_id"
+    assert last.stop_token_id == 65 and last.usage.completion_tokens == 3
+    assert "".join(r.text for r in responses).endswith("A")
+    responses = list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=8, temperature=0.0,
+                                 logit_bias={65: 100.0}, stop=["AA"], presence_penalty=0.5))
+    assert responses[-1].stop_string == "AA" and "".join(r.text for r in responses) == ""
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="hi", min_tokens=20, max_tokens=4))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
+
+
 # ---- faults (last: it kills a replica) ------------------------------------------------------------
 
 def test_metrics_export_the_contract_names(cluster):
