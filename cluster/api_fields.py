@@ -48,12 +48,12 @@ REFUSED: dict[str, Refused] = {
     "function_call": _refused(_STRUCTURED, {CHAT}, (None, "none")),
     # issue 14 points 3-4 (n > 1, best_of, echo, prompt logprobs); n and echo are model fields
     # whose non-default values openai_protocol.parse_request refuses
-    "best_of": _refused(_PARALLEL, no_op=(None, 1)),
+    "best_of": _refused(_PARALLEL),
     "prompt_logprobs": _refused(_PARALLEL),
     "use_beam_search": _refused("beam search is not supported", no_op=(None, False)),
     "length_penalty": _refused("length_penalty (beam search) is not supported", no_op=(None, 1, 1.0)),
     # OpenAI-only
-    "suffix": _refused("suffix (fill in the middle) is not supported", {COMPLETION}, (None, "")),
+    "suffix": _refused("suffix (fill in the middle) is not supported", {COMPLETION}),
     "modalities": _refused("only text output is supported", {CHAT}, (None, ["text"])),
     "audio": _refused("audio output is not supported", {CHAT}),
     "store": _refused("completions are not stored", {CHAT}, (None, False)),

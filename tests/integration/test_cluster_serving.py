@@ -418,14 +418,14 @@ def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_clie
                                               temperature=0, stream=True)
     next(iter(stream))
     stream.close()
-    abort = f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="abort"}}'
+    abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
     deadline = time.monotonic() + 15
     while metrics(cluster).get(abort, 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     found = metrics(cluster)
     assert found[abort] >= 1
     assert found[f'kvmesh_requests_aborted_total{{model="{MODEL}"}}'] >= 1
-    assert found[f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="length"}}'] >= 1
+    assert found[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1
     names = {k.split("{")[0] for k in found}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",

@@ -115,3 +115,25 @@ def test_min_tokens_over_max_tokens_names_both():
     with pytest.raises(ApiError) as e:
         sampling_params(req, 64)
     assert e.value.param == "min_tokens" and "max_tokens (8)" in e.value.message
+
+
+@pytest.mark.parametrize("kind,fields", [
+    (CHAT, {"response_format": {"type": "text"}}), (CHAT, {"modalities": ["text"]}),
+    (CHAT, {"store": False}), (CHAT, {"service_tier": "auto"}), (CHAT, {"tools": []}),
+    (CHAT, {"add_generation_prompt": True}), (CHAT, {"n": 1}), (COMPLETION, {"echo": False}),
+])
+def test_no_op_values_of_refused_fields_are_accepted(kind, fields):
+    parse_request(body(kind, **fields), CLS[kind])
+
+
+def test_a_request_holds_at_most_64_prompts():
+    from kvmesh.cluster.ingress import MAX_PROMPTS_PER_REQUEST, _prompts
+
+    assert MAX_PROMPTS_PER_REQUEST == 64
+    req = parse_request(body(COMPLETION, prompt=["a"] * 65), CompletionRequest)
+    with pytest.raises(ApiError) as e:
+        _prompts(req, COMPLETION)
+    assert e.value.param == "prompt" and "65 prompts in one request; the limit is 64" in e.value.message
+    req = parse_request(body(COMPLETION, prompt=[[3], [1, 2]]), CompletionRequest)
+    assert [(p.param, p.token_ids) for p in _prompts(req, COMPLETION)] == [
+        ("prompt.0", [3]), ("prompt.1", [1, 2])]

@@ -98,6 +98,8 @@ def test_bias_and_min_tokens_mask_on_fixed_logits():
     ({"logit_bias": {5: 101}}, "logit_bias"),
     ({"logit_bias": {-1: 1}}, "logit_bias"),
     ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),  # at most 64
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),  # at most 300
     ({"skip_special_tokens": 1}, "skip_special_tokens"),
 ])
 def test_bad_values_name_the_field_and_the_limit(kwargs, field):
