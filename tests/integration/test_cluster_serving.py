@@ -418,13 +418,20 @@ def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_clie
                                               temperature=0, stream=True)
     next(iter(stream))
     stream.close()
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    grpc_stream_ = grpc_stream(cluster.grpc_target, prompt="abort me", max_tokens=1500,
+                               request_id="metrics-abort", temperature=0.0)
+    next(grpc_stream_)
+    assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="metrics-abort")).found
+    assert list(grpc_stream_)[-1].finish_reason == "abort"
     abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
     deadline = time.monotonic() + 15
-    while metrics(cluster).get(abort, 0) < 1 and time.monotonic() < deadline:
+    while metrics(cluster).get(abort, 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     found = metrics(cluster)
-    assert found[abort] >= 1
-    assert found[f'kvmesh_requests_aborted_total{{model="{MODEL}"}}'] >= 1
+    assert found[abort] >= 2  # the HTTP disconnect and the gRPC Abort
+    assert found[f'kvmesh_requests_aborted_total{{model="{MODEL}"}}'] >= 2
     assert found[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1
     names = {k.split("{")[0] for k in found}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
