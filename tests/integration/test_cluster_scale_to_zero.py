@@ -51,6 +51,24 @@ def complete(cluster, prompt: str, max_tokens: int) -> dict:
         return json.loads(resp.read())
 
 
+def grpc_health(cluster) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=30).status
+
+
+def test_grpc_health_is_not_serving_with_no_worker_and_serving_with_one(cluster):
+    from grpc_health.v1 import health_pb2
+
+    wait_for_replicas(cluster, 0, timeout_s=120)
+    assert grpc_health(cluster) == health_pb2.HealthCheckResponse.NOT_SERVING
+    complete(cluster, "wake up", 2)
+    assert grpc_health(cluster) == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_scales_to_zero_when_idle_and_a_request_brings_a_replica_back(cluster):
     wait_for_replicas(cluster, 0, timeout_s=120)
     with cf.ThreadPoolExecutor(1) as ex:
