@@ -119,7 +119,10 @@ async def _sse(streams: list[DeltaStream], shaper: Shaper, include_usage: bool,
         if role is not None:
             yield sse(role)
         offsets, counts = [0] * len(streams), [0] * len(streams)
-        async for i, delta in _merged(streams):
+        # closed before the streams (the stack unwinds in reverse): its reads in flight are
+        # cancelled first, so closing each stream then finds none running
+        merged = await stack.enter_async_context(contextlib.aclosing(_merged(streams)))
+        async for i, delta in merged:
             counts[i] += len(delta.token_ids)
             so_far = (usage(_prompt_tokens(streams[i], delta), counts[i], delta.num_cached_tokens)
                       if continuous_usage else None)
@@ -338,8 +341,9 @@ class Ingress(GrpcService, HealthService):
             for one in admitted:
                 streams.append(await self.pipeline.stream(one))
             results = [Collected() for _ in streams]
-            async for i, delta in _merged(streams):
-                results[i].add(delta)
+            async with contextlib.aclosing(_merged(streams)) as merged:
+                async for i, delta in merged:
+                    results[i].add(delta)
             for result in results:
                 if result.last.finish_reason == "error":
                     raise ApiError(503, result.last.error or "the request failed",

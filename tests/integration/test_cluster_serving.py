@@ -475,6 +475,20 @@ def test_grpc_takes_the_sampling_fields_and_returns_stop_reason(cluster):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
 
 
+def test_a_client_that_leaves_a_stream_of_several_prompts_aborts_them_all(cluster, openai_client):
+    stream = openai_client.completions.create(model=MODEL, prompt=["go on", "and on", "forever"],
+                                              max_tokens=1500, temperature=0, stream=True)
+    next(iter(stream))
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
+    stream.close()
+    deadline = time.monotonic() + 15  # 3 x ~1500 tokens would take far longer than this
+    while time.monotonic() < deadline:
+        if sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0:
+            break
+        time.sleep(0.1)
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
+
+
 # ---- faults (last: it kills a replica) ------------------------------------------------------------
 
 def test_metrics_export_the_contract_names(cluster):
