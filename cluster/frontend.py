@@ -92,10 +92,17 @@ class Frontend:
         return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
                                     self.config.server.special_tokens_in_content)
 
-    async def encode_text(self, text: str) -> list[int]:
+    async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         await self._check_chars(len(text), "prompt")
         return await self._tokenize(len(text), self.tokenizer.encode, text,
-                                    add_special_tokens=False)  # as kvmesh.LLM.generate
+                                    add_special_tokens=add_special_tokens)  # False: as kvmesh.LLM.generate
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (special tokens kept, as vLLM's /detokenize); off the loop when long."""
+        if len(token_ids) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.decode(token_ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, token_ids)
 
     async def max_prompt_chars(self) -> int:
         limits = self.config.limits
@@ -160,10 +167,18 @@ class Frontend:
         self.metrics.observe_status(self.model_name, status)
         if last is None or status != 200:
             return
+        end = time.time()
+        prompt_tokens = last.num_prompt_tokens or routed.num_prompt_tokens
         self.metrics.observe_request(
-            self.model_name, routed.arrival_time, first_token, time.time(),
-            last.num_prompt_tokens or routed.num_prompt_tokens, num_output_tokens,
-            last.num_cached_tokens)
+            self.model_name, routed.arrival_time, first_token, end,
+            prompt_tokens, num_output_tokens, last.num_cached_tokens)
+        self.metrics.observe_engine_times(self.model_name, last, first_token, end,
+                                          num_output_tokens, prompt_tokens,
+                                          last.num_cached_tokens, routed.arrival_time)
+
+    def account_abort(self, routed: RoutedRequest, num_output_tokens: int) -> None:
+        """A request that ended before it finished: its client went away or aborted it."""
+        self.metrics.observe_abort(self.model_name, routed.num_prompt_tokens, num_output_tokens)
 
     def count_retry(self) -> None:
         """A request sent again after its worker died (counted whatever the request's end)."""

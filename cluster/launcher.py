@@ -104,11 +104,13 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from kvmesh.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from kvmesh.cluster.app import build_app
+    from kvmesh.cluster.grpc_health import servicer_functions
 
     grpc = None
     if cfg.server.grpc_port:
-        grpc = gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+        grpc = gRPCOptions(port=cfg.server.grpc_port,
+                           grpc_servicer_functions=servicer_functions(cfg.server.grpc_reflection),
                            enable_reflection=cfg.server.grpc_reflection)
     serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port,
                                          keep_alive_timeout_s=cfg.server.keep_alive_timeout_s),

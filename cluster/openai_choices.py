@@ -32,7 +32,8 @@ def whole_body(shaper: Shaper, result: Collected, params: SamplingParams, kind: 
     for index, sequence in enumerate(chosen_sequences(result, params)):
         reason = sequence.last.finish_reason if sequence.last is not None else None
         body = shaper.full(sequence.text, sequence.token_ids, sequence.logprobs,
-                           sequence.top_logprobs, reason, prompt_tokens, cached_tokens)
+                           sequence.top_logprobs, reason, prompt_tokens, cached_tokens,
+                           sequence.last.stop_reason if sequence.last is not None else None)
         if echo is not None:
             body = echo.apply(body, kind, result.prompt_logprobs)
         choice = body["choices"][0]
@@ -49,9 +50,11 @@ class StreamChoices:
     with echo, the prompt goes first in a chunk of its own (per choice); prompt_logprobs ride on
     choice 0's first chunk (at the top of a chat chunk, in the choice of a completion's)."""
 
-    def __init__(self, shaper: Shaper, include_usage: bool, echo, num_choices: int):
+    def __init__(self, shaper: Shaper, include_usage: bool, echo, num_choices: int,
+                 index_base: int = 0):
+        """`index_base`: the first choice's index (prompt i of several: i * n, as vLLM)."""
         self.shaper, self.include_usage, self.echo = shaper, include_usage, echo
-        self.num_choices = num_choices
+        self.num_choices, self.index_base = num_choices, index_base
         self.offsets: dict[int, int] = {}  # text sent so far per choice (completions' text_offset)
         self.scores = None  # the prompt's logprobs: on the request's first delta with a token
 
@@ -60,23 +63,25 @@ class StreamChoices:
         for index in range(self.num_choices):
             role = self.shaper.role_chunk(self.include_usage)
             if role is not None:
-                role["choices"][0]["index"] = index
+                role["choices"][0]["index"] = self.index_base + index
                 chunks.append(role)
         return chunks
 
-    def chunks(self, delta) -> list[dict]:
+    def chunks(self, delta, usage_so_far: dict | None = None) -> list[dict]:
+        """`usage_so_far`: stream_options.continuous_usage_stats' usage on the delta's chunk."""
         shaper, echo, out = self.shaper, self.echo, []
         self.scores = self.scores or delta.prompt_logprobs
         first = delta.index not in self.offsets
         offset = self.offsets.get(delta.index, 0)
         if echo is not None and first and echo.echo:
             echoed = echo.first_chunk(self.scores)
-            echoed["index"] = delta.index
+            echoed["index"] = self.index_base + delta.index
             out.append(shaper._chunk([echoed], None, self.include_usage))
             offset = len(echo.prompt_text)
         chunk = shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs,
-                                   delta.finish_reason, offset, self.include_usage)
-        chunk["choices"][0]["index"] = delta.index
+                                   delta.finish_reason, offset, self.include_usage,
+                                   delta.stop_reason, usage_so_far)
+        chunk["choices"][0]["index"] = self.index_base + delta.index
         if echo is not None and first and not echo.echo and delta.index == 0:
             if shaper.kind == "chat":
                 chunk["prompt_logprobs"] = echo.vllm_list(self.scores)

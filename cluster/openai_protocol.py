@@ -1,8 +1,9 @@
 """OpenAI-compatible request parsing and response shapes (chat completions and completions).
 
 Requests are validated here, before anything reaches a worker: a bad field raises ApiError(400)
-naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI defines but kvmesh
-does not implement (tools, ...) are rejected by name rather than ignored.
+naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI or vLLM define
+but kvmesh does not implement (tools, ...) are rejected by name rather than ignored, and so are
+unknown fields (api_fields.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvmesh.cluster.api_fields import CHAT, COMPLETION, STREAM_OPTIONS, check_fields
 from kvmesh.sampling_params import SamplingParams
 
 
@@ -35,9 +37,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Request(BaseModel):
-    # Unknown keys are ignored (clients send many optional ones); the unsupported ones that change
-    # the meaning of a request are listed in UNSUPPORTED and rejected. Strict: a number is a JSON
-    # number, never "10" or true (an integer is still a valid float).
+    # Keys that are not fields here are checked by api_fields.check_fields before validation:
+    # OpenAI's and vLLM's unimplemented fields and unknown keys are refused by name. Strict: a
+    # number is a JSON number, never "10" or true (an integer is still a valid float).
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
@@ -56,6 +58,12 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    # vLLM's sampling fields (kvmesh.SamplingParams says what each does)
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -83,7 +91,6 @@ class CompletionRequest(_Request):
 UNSUPPORTED = {
     "tools": "tool calls are not supported",
     "functions": "function calls are not supported",
-    "logit_bias": "logit_bias is not supported",
     "suffix": "suffix is not supported",
 }
 
@@ -91,6 +98,7 @@ UNSUPPORTED = {
 def parse_request(body: Any, cls: type[_Request]) -> _Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_fields(body, CHAT if cls is ChatCompletionRequest else COMPLETION, cls.model_fields)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
@@ -102,6 +110,7 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, why, param=name)
     check_choices(body, req)
+    _check_stream_options(req)
     return req
 
 
@@ -115,6 +124,24 @@ def check_choices(body: dict, req: _Request) -> None:
     if best_of is not None and req.stream and best_of != req.n:
         raise ApiError(400, "best_of cannot be used with stream: the best sequences are known only "
                        "when all have finished", param="best_of")
+
+
+def _check_stream_options(req: _Request) -> None:
+    options = req.stream_options
+    if options is None:
+        return
+    if not req.stream:
+        raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise ApiError(400, f"stream_options.{key} is not a stream option (known: "
+                           f"{', '.join(STREAM_OPTIONS)})", param=f"stream_options.{key}")
+        if not isinstance(value, bool):
+            raise ApiError(400, f"stream_options.{key} must be a boolean",
+                           param=f"stream_options.{key}")
+    if options.get("continuous_usage_stats") and not options.get("include_usage"):
+        raise ApiError(400, "stream_options.continuous_usage_stats needs include_usage: true "
+                       "(as vLLM)", param="stream_options.continuous_usage_stats")
 
 
 def _field_path(body: Any, loc: tuple) -> str | None:
@@ -173,7 +200,10 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
         logprobs = req.logprobs
     kwargs = dict(max_tokens=max_tokens, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
                   ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req),
-                  n=req.n, best_of=getattr(req, "best_of", None))
+                  n=req.n, best_of=getattr(req, "best_of", None), min_tokens=req.min_tokens,
+                  stop_token_ids=req.stop_token_ids or [], logit_bias=_logit_bias(req.logit_bias),
+                  include_stop_str_in_output=req.include_stop_str_in_output,
+                  skip_special_tokens=req.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -198,6 +228,17 @@ def prompt_logprobs_asked(req: _Request) -> int | None:
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         asked = req.logprobs if asked is None else max(asked, req.logprobs)
     return asked
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias is keyed by token ids written as JSON strings."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers), "
+                           f"got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def new_id(prefix: str) -> str:

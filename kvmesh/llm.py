@@ -95,7 +95,7 @@ class LLM:
         requests = []
         for text, ids, p in zip(texts, token_lists, params):
             requests.append(EngineRequest(f"req-{next(self._ids)}", ids, p, prompt=text,
-                                          stream_text=bool(p.stop)))
+                                          stream_text=_needs_text_on_the_step(p)))
         for r in requests:
             self.engine.validate_request(r)
         outputs: dict[str, RequestOutput] = {}
@@ -128,6 +128,7 @@ class LLM:
                         out.top_logprobs = (out.top_logprobs or []) + (delta.top_logprobs or [None])
                     if delta.finish_reason is not None:
                         out.finish_reason = delta.finish_reason
+                        out.stop_reason = delta.stop_reason
                         out.arrival_time = delta.arrival_time
                         out.first_token_time = delta.first_token_time
                     if delta.finished:
@@ -168,3 +169,9 @@ class LLM:
         if finish_reason == "stop" and token_ids and token_ids[-1] in params.stop_token_ids:
             token_ids = token_ids[:-1]
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _needs_text_on_the_step(params: SamplingParams) -> bool:
+    """Stop strings, a kept stop string and kept special tokens need the engine's incremental
+    detokenizer; other outputs are decoded once at the end."""
+    return bool(params.stop) or params.include_stop_str_in_output or not params.skip_special_tokens

@@ -152,6 +152,9 @@ class TokenDelta:
     # finished with the last sequence.
     index: int = 0
     more_sequences: bool = False
+    # vLLM's: with finish_reason "stop", the stop string or stop token id that ended it (None: EOS)
+    stop_reason: str | int | None = None
+    scheduled_time: float | None = None  # when the engine first scheduled it (the worker's clock)
 
     @property
     def finished(self) -> bool:
@@ -173,7 +176,9 @@ class TokenDelta:
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
             self.arrival_time or later.arrival_time, later.retryable,
-            self.prompt_logprobs or later.prompt_logprobs, self.index, later.more_sequences)
+            self.prompt_logprobs or later.prompt_logprobs, self.index, later.more_sequences,
+            later.stop_reason,
+            self.scheduled_time if self.scheduled_time is not None else later.scheduled_time)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:
@@ -200,3 +205,4 @@ class RequestOutput:
     # n > 1: the n sequences (with best_of, the n best by cumulative logprob, best first); the
     # fields above are sequences[0]'s. Empty when n is 1.
     sequences: list["RequestOutput"] = field(default_factory=list)
+    stop_reason: str | int | None = None  # as TokenDelta.stop_reason

@@ -33,9 +33,19 @@ class SamplingParams:
     # prompt's KV blocks; the n with the highest cumulative logprob are returned. Sequence i draws
     # from seed + i when a seed is given.
     best_of: int | None = None
+    # vLLM's: EOS and stop_token_ids cannot be sampled (and stop strings do not stop) before
+    # min_tokens output tokens; logit_bias is added to the logits (token id -> bias in [-100, 100]);
+    # include_stop_str_in_output keeps the stop string (or stop token's text) in the output text;
+    # skip_special_tokens drops special tokens from the output text.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     MAX_SEQUENCES = 32
     MAX_STOP_STRINGS = 64
+    MAX_STOP_TOKEN_IDS = 64
+    MAX_LOGIT_BIAS = 300
     MAX_STOP_STRING_CHARS = 512
     MAX_LOGPROBS = 20
 
@@ -74,9 +84,24 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not 0 < len(s) <= self.MAX_STOP_STRING_CHARS:
                 fail("stop", f"non-empty strings of at most {self.MAX_STOP_STRING_CHARS} characters", s)
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"at most {self.MAX_STOP_TOKEN_IDS} ids", f"{len(self.stop_token_ids)} ids")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 fail("stop_token_ids", "non-negative integers", t)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"in [0, max_tokens ({self.max_tokens})]", self.min_tokens)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+                fail("logit_bias", f"a map of at most {self.MAX_LOGIT_BIAS} token ids", "a larger map")
+            for t, bias in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    fail("logit_bias", "keyed by non-negative token ids", t)
+                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                    fail("logit_bias", "values in [-100, 100]", bias)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a boolean", getattr(self, name))
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             fail("logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)

@@ -46,6 +46,7 @@ class Engine:
                                   self.device, self.dtype, config.attention_backend, config.seed,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile)
+        self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # masked by min_tokens
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
@@ -106,6 +107,11 @@ class Engine:
             name = "best_of" if request.sampling_params.best_of else "n"
             raise ValueError(f"{name} is {num_sequences}; this engine runs at most "
                              f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
+        params = request.sampling_params
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} must be token ids in [0, {vocab}), got {max(ids)}")
 
     def _check_block_hashes(self, request: EngineRequest) -> None:
         """Hashes computed by the caller are used as they are, so they must be this engine's cut."""
@@ -141,7 +147,9 @@ class Engine:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
         if request.stream_text or params.stop:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                     params.skip_special_tokens,
+                                                     params.include_stop_str_in_output)
         return req
 
     def abort_request(self, request_id: str) -> None:
@@ -169,6 +177,11 @@ class Engine:
             deltas.extend(self._process(*self._in_flight))
             self._in_flight = None
         output = self.scheduler.schedule()
+        if not output.is_empty:
+            scheduled_at = time.time()
+            for entry in output.scheduled:  # the end of its queue time (vLLM's queued interval)
+                if entry.request.scheduled_time is None:
+                    entry.request.scheduled_time = scheduled_at
         launched = None
         if not output.is_empty:
             previous_samples = self._in_flight[1] if self._in_flight is not None else None
@@ -219,13 +232,21 @@ class Engine:
         return deltas
 
     def _check_finish(self, req: Request, token: int) -> str | None:
+        """The finish reason after `token`, or None; a stop sets req.stop_reason (vLLM's: the stop
+        string or stop token id, None for EOS). Before min_tokens nothing but the length stops."""
         params = req.sampling_params
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        stop = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
+        detok = req.detokenizer
+        before_min = req.num_resolved_output_tokens <= params.min_tokens - 1
+        if not before_min:
+            stop_token = token in params.stop_token_ids
+            if stop_token or (not params.ignore_eos and token in self.eos_token_ids):
+                req.stop_reason = token if stop_token else None
+                if detok is not None and params.include_stop_str_in_output:
+                    detok.add_tokens([token], check_stop=False)
+                return "stop"
+        stop = detok.add_tokens([token], check_stop=not before_min) if detok is not None else None
         if stop is not None:
+            req.stop_reason = stop
             return "stop"
         num_tokens = req.num_tokens - req.num_pending
         if req.num_resolved_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
@@ -269,7 +290,8 @@ class Engine:
             top_logprobs=[top] if top is not None else None,
             first_token_time=req.first_token_time, arrival_time=req.arrival_time,
             prompt_logprobs=prompt_logprobs, index=req.index,
-            more_sequences=req.group is not None and any(not m.is_finished for m in req.group))
+            more_sequences=req.group is not None and any(not m.is_finished for m in req.group),
+            stop_reason=req.stop_reason, scheduled_time=req.scheduled_time)
 
     # ---- state for the router ----------------------------------------------------------------
 

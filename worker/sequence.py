@@ -37,8 +37,10 @@ class Request:
         self.block_hashes: list[int] = (list(prompt_block_hashes) if prompt_block_hashes is not None
                                         else compute_block_hashes(prompt_token_ids, block_size, salt))
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # first scheduled (its queue time ends)
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.logprobs: list[float] = []

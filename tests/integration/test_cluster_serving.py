@@ -299,7 +299,11 @@ def test_grpc_abort_ends_the_stream_with_abort(cluster):
     assert rest[-1].finish_reason == "abort"
 
 
-# ---- n > 1, best_of, echo, prompt_logprobs (issue 14 points 3-4) ----------------------------------
+# ---- the API's fields, endpoint by endpoint (tests/api_field_table.py) ---------------------------
+
+from api_field_table import ROWS, row_id  # noqa: E402
+import api_field_walk as walk  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def offline_llm():
@@ -307,6 +311,186 @@ def offline_llm():
 
     return LLM(MODEL, device="cpu")
 
+
+def offline_outcome(llm, kind, fields):
+    """What the offline engine answers with the SamplingParams the server parses from `fields`."""
+    from kvmesh.cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                                parse_request, sampling_params)
+
+    cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    params = sampling_params(parse_request(walk.body(kind, **fields), cls), 64)
+    ids = llm.apply_chat_template(walk.MESSAGES) if kind == "chat" else walk.PROMPT_IDS
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+    return out.text, out.finish_reason, out.stop_reason
+
+
+WALK = [(row, kind) for row in ROWS for kind in row.kinds]
+
+
+@pytest.mark.parametrize("row,kind", WALK, ids=[f"{row_id(r)}@{k}" for r, k in WALK])
+def test_each_api_field_is_honoured_or_refused_by_name(cluster, offline_llm, row, kind):
+    """Fails on any field the server accepts without its effect."""
+    url = cluster.http_url
+    if row.outcome.startswith("refused"):
+        status, err = walk.post(url, walk.PATHS[kind], walk.body(kind, **{row.field: row.value}))
+        assert (status, err["error"]["param"]) == (400, row.field), err
+        assert row.field in err["error"]["message"]
+    elif row.outcome == "sampling":
+        with_field = {**row.base, row.field: row.value}
+        served = walk.outcome(walk.answer(url, kind, **with_field), kind)
+        assert served != walk.outcome(walk.answer(url, kind, **row.base), kind)
+        assert served == offline_outcome(offline_llm, kind, with_field)
+    else:
+        walk.check_for(row.field, kind)(url, kind, row)
+
+
+def test_unknown_fields_are_refused_by_name_through_the_openai_client(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                         extra_body={"frobnicate": True})
+    assert e.value.body["param"] == "frobnicate" and "unknown field" in e.value.body["message"]
+
+
+def test_stop_reason_min_tokens_and_stop_token_ids_through_the_openai_client(openai_client):
+    r = openai_client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=8, temperature=0,
+        extra_body={"logit_bias": {"65": 100}, "stop_token_ids": [65], "min_tokens": 2})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == 65
+    assert r.usage.completion_tokens == 3  # 2 tokens held to min_tokens, then the stop token
+    r = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stop=["AA"],
+        logit_bias={"65": 100}, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == "AA"
+    assert r.choices[0].model_extra["stop_reason"] == "AA"
+
+
+def test_streamed_chunks_carry_usage_with_continuous_usage_stats(openai_client):
+    stream = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counted[-1] == 5 and counted == sorted(counted)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_tokenize_counts_the_prompt_tokens_the_endpoints_bill(cluster, openai_client):
+    url = cluster.http_url
+    status, tok = walk.post(url, "/tokenize", {"model": MODEL, "prompt": "Hello world",
+                                               "return_token_strs": True})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == 11
+    assert tok["max_model_len"] == 2048 and "".join(tok["token_strs"]) == "HelloĠworld"
+    r = openai_client.completions.create(model=MODEL, prompt="Hello world", max_tokens=1)
+    assert r.usage.prompt_tokens == tok["count"]
+    status, chat = walk.post(url, "/tokenize", {"model": MODEL, "messages": MESSAGES})
+    r = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert status == 200 and chat["count"] == r.usage.prompt_tokens
+    status, text = walk.post(url, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]})
+    assert (status, text) == (200, {"prompt": "Hello world"})
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_by_name(cluster, path, body, param):
+    status, err = walk.post(cluster.http_url, path, {"model": MODEL, **body})
+    assert (status, err["error"]["param"]) == (400, param), err
+
+
+def test_version(cluster):
+    import kvmesh
+
+    with urllib.request.urlopen(cluster.http_url + "/version", timeout=30) as resp:
+        assert json.load(resp) == {"version": kvmesh.__version__}
+
+
+def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_client):
+    openai_client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stream = openai_client.completions.create(model=MODEL, prompt="leave early", max_tokens=1500,
+                                              temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    grpc_stream_ = grpc_stream(cluster.grpc_target, prompt="abort me", max_tokens=1500,
+                               request_id="metrics-abort", temperature=0.0)
+    next(grpc_stream_)
+    assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="metrics-abort")).found
+    assert list(grpc_stream_)[-1].finish_reason == "abort"
+    abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
+    deadline = time.monotonic() + 15
+    while metrics(cluster).get(abort, 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = metrics(cluster)
+    assert found[abort] >= 2  # the HTTP disconnect and the gRPC Abort
+    assert found[f'kvmesh_requests_aborted_total{{model="{MODEL}"}}'] >= 2
+    assert found[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1
+    names = {k.split("{")[0] for k in found}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in names, name
+    assert found[f'vllm:request_queue_time_seconds_count{{model_name="{MODEL}"}}'] >= 1
+
+
+def test_grpc_health_v1_follows_the_workers(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvmesh.v1.Generation"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def test_grpc_takes_the_sampling_fields_and_returns_stop_reason(cluster):
+    responses = list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=8, temperature=0.0,
+                                 logit_bias={65: 100.0}, stop_token_ids=[65], min_tokens=2,
+                                 include_stop_str_in_output=True))
+    last = responses[-1]
+    assert last.finish_reason == "stop" and last.WhichOneof("stop_reason") == "stop_token_id"
+    assert last.stop_token_id == 65 and last.usage.completion_tokens == 3
+    assert "".join(r.text for r in responses).endswith("A")
+    responses = list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=8, temperature=0.0,
+                                 logit_bias={65: 100.0}, stop=["AA"], presence_penalty=0.5))
+    assert responses[-1].stop_string == "AA" and "".join(r.text for r in responses) == ""
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="hi", min_tokens=20, max_tokens=4))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
+
+
+def test_a_client_that_leaves_a_stream_of_several_prompts_aborts_them_all(cluster, openai_client):
+    stream = openai_client.completions.create(model=MODEL, prompt=["go on", "and on", "forever"],
+                                              max_tokens=1500, temperature=0, stream=True)
+    next(iter(stream))
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
+    stream.close()
+    deadline = time.monotonic() + 15  # 3 x ~1500 tokens would take far longer than this
+    while time.monotonic() < deadline:
+        if sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0:
+            break
+        time.sleep(0.1)
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
+
+
+# ---- n > 1, best_of, echo, prompt_logprobs (issue 14 points 3-4) ----------------------------------
 
 def test_n3_gives_three_choices_each_as_a_request_with_seed_plus_index(openai_client, offline_llm):
     from kvmesh import SamplingParams

@@ -89,6 +89,9 @@ grpc_options:
   port: {{ .Values.kvmesh.server.grpc_port }}
   grpc_servicer_functions:
     {{- toYaml .Values.serve.grpcServicerFunctions | nindent 4 }}
+    {{- if .Values.kvmesh.server.grpc_reflection }}
+    - kvmesh.cluster.grpc_health.add_reflection_v1
+    {{- end }}
   enable_reflection: {{ .Values.kvmesh.server.grpc_reflection }}
 {{- end }}
 applications:
