@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from kvmesh.structured_outputs import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # The output must match this (JSON schema, regex, choice, grammar): the sampler masks every
+    # token the grammar does not allow (worker/grammar.py); the request ends when it is complete.
+    structured_outputs: StructuredOutputs | None = None
 
     MAX_STOP_STRINGS = 64
     MAX_STOP_STRING_CHARS = 512
@@ -75,6 +80,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 fail(name, "in [-2, 2]", value)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                fail("structured_outputs", "a kvmesh.StructuredOutputs", self.structured_outputs)
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
