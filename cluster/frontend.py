@@ -50,6 +50,7 @@ class Frontend:
         # One thread: a tokenizer is not safe to call from two at once, and small prompts do not
         # queue behind large ones (they stay on the loop).
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
+        self._grammars = None  # worker.grammar.GrammarCompiler, made on the first structured request
 
     # ---- model ---------------------------------------------------------------------------------
 
@@ -144,6 +145,24 @@ class Frontend:
             block_hashes=block_hashes(prompt_ids, info.block_size, info.hash_salt),
             hash_block_size=info.block_size,
             session_key=session_key, arrival_time=arrival or time.time())
+
+    # ---- structured outputs ------------------------------------------------------------------
+
+    async def check_grammar(self, spec, param: str) -> None:
+        """ApiError(400) naming `param` if the spec does not compile. Compiled on the grammar
+        compiler's thread (never on the event loop) and cached, as the engine compiles it again."""
+        from kvmesh.worker.grammar import GrammarError
+
+        if self._grammars is None:
+            from kvmesh.worker.grammar import GrammarCompiler
+
+            vocab = (await self.model_info()).vocab_size or len(self.tokenizer)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab)
+        try:
+            await asyncio.wrap_future(self._grammars.submit(spec))
+        except GrammarError as e:
+            message = str(e).split(": ", 1)[-1]
+            raise ApiError(400, f"{param}: {message}", param=param) from None
 
     # ---- results -------------------------------------------------------------------------------
 

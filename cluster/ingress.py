@@ -9,6 +9,7 @@ disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -26,6 +27,7 @@ from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
 from kvmesh.cluster.status import worker_rows
+from kvmesh.cluster.structured_request import parse_structured
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
@@ -65,6 +67,13 @@ def _prompt(req, kind: str) -> Prompt:
     if isinstance(prompt, str):
         return Prompt("prompt", text=prompt)
     return Prompt("prompt", token_ids=list(prompt))
+
+
+def _sampling_params(req, structured, remaining_context: int):
+    params = sampling_params(req, remaining_context)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured.spec)
+    return params
 
 
 async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
@@ -185,8 +194,11 @@ class Ingress(GrpcService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
+            structured = parse_structured(req)
+            if structured is not None:
+                await self.frontend.check_grammar(structured.spec, structured.param)
             admitted = await self.pipeline.admit(GenerationRequest(
-                _prompt(req, kind), functools.partial(sampling_params, req),
+                _prompt(req, kind), functools.partial(_sampling_params, req, structured),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,

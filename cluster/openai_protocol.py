@@ -56,6 +56,14 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    # Structured outputs (cluster/structured_request.py reads them; at most one per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class ChatMessage(BaseModel):

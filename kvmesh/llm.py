@@ -96,6 +96,8 @@ class LLM:
                                           stream_text=bool(p.stop)))
         for r in requests:
             self.engine.validate_request(r)
+            if r.sampling_params.structured_outputs is not None:  # a bad schema raises here
+                self.engine.grammar_compiler.compile(r.sampling_params.structured_outputs)
         outputs: dict[str, RequestOutput] = {}
         for r in requests:
             self.engine.add_request(r)

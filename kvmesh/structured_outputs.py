@@ -66,5 +66,6 @@ class StructuredOutputs:
 
 
 def canonical_json(schema) -> str:
-    """A JSON schema as text that is the same for equal schemas (the cache key)."""
-    return _json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """A JSON schema as compact text (the cache key). Keys keep their order: the order of an
+    object's properties is the order the model writes them in."""
+    return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,146 @@
+"""Structured outputs without Ray: the spec, the grammar compiler and its errors, the batch mask
+(only the constrained rows are masked), and generation on the default model under a JSON schema,
+a choice and a regex, alone and mixed in one batch with unconstrained requests."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams, StructuredOutputs
+from kvmesh.worker.grammar import GrammarCompiler, GrammarError, apply_grammar_masks
+from kvmesh.worker.presets import build_byte_tokenizer
+
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "maxLength": 20},
+                         "population": {"type": "integer"},
+                         "capital": {"type": "boolean"}},
+          "required": ["city", "population", "capital"], "additionalProperties": False}
+
+
+# ---- the spec ----------------------------------------------------------------------------------
+
+def test_spec_needs_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a+", choice=("a",))
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputs(choice=("a", ""))
+
+
+def test_a_schema_keeps_its_key_order_the_order_the_model_writes():
+    spec = StructuredOutputs(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert spec.kind == "json" and spec.json == '{"type":"object","properties":{"b":{},"a":{}}}'
+    assert spec.key == ("json", spec.json)
+
+
+def test_sampling_params_refuse_a_spec_of_the_wrong_type():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+# ---- compiling and masking -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def byte_compiler():
+    tokenizer = build_byte_tokenizer(512)
+    return tokenizer, GrammarCompiler(tokenizer, 512, stop_token_ids=[tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize("spec, field", [
+    (StructuredOutputs(json='{"type": "nonsense"}'), "structured_outputs.json"),
+    (StructuredOutputs(regex="(unclosed"), "structured_outputs.regex"),
+    (StructuredOutputs(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
+])
+def test_a_spec_that_does_not_compile_names_its_field(byte_compiler, spec, field):
+    _, compiler = byte_compiler
+    with pytest.raises(GrammarError, match=re.escape(field)):
+        compiler.compile(spec)
+
+
+def test_equal_specs_are_compiled_once(byte_compiler):
+    _, compiler = byte_compiler
+    spec = StructuredOutputs(regex="[0-9]{3}")
+    assert compiler.submit(spec) is compiler.submit(StructuredOutputs(regex="[0-9]{3}"))
+
+
+class _Row:
+    def __init__(self, grammar=None):
+        self.grammar, self.num_pending, self.request_id = grammar, 0, "r"
+
+
+def test_the_mask_touches_only_the_rows_with_a_grammar(byte_compiler):
+    tokenizer, compiler = byte_compiler
+    matcher = compiler.matcher(compiler.compile(StructuredOutputs(choice=("yes", "no"))))
+    logits = torch.zeros(3, 512)
+    apply_grammar_masks(logits, [_Row(), _Row(matcher), _Row()], 512)
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+    allowed = torch.nonzero(torch.isfinite(logits[1])).flatten().tolist()
+    assert sorted(tokenizer.decode([t]) for t in allowed) == ["n", "y"]
+
+
+def test_a_choice_ends_when_complete_and_accepts_only_eos_there(byte_compiler):
+    tokenizer, compiler = byte_compiler
+    matcher = compiler.matcher(compiler.compile(StructuredOutputs(choice=("no",))))
+    for t in tokenizer.encode("no", add_special_tokens=False):
+        assert matcher.accept(t)
+    logits = torch.zeros(1, 512)
+    apply_grammar_masks(logits, [_Row(matcher)], 512)
+    assert torch.nonzero(torch.isfinite(logits[0])).flatten().tolist() == [tokenizer.eos_token_id]
+    assert not matcher.is_terminated
+    assert matcher.accept(tokenizer.eos_token_id) and matcher.is_terminated
+
+
+# ---- generation on the default model ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu")
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.slow
+def test_greedy_generation_under_a_json_schema_is_schema_valid(llm):
+    params = SamplingParams(max_tokens=80, temperature=0,
+                            structured_outputs=StructuredOutputs(json=SCHEMA))
+    out = llm.chat(chat("Give the city, population and whether it is a capital, for Paris, as JSON."), params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+@pytest.mark.slow
+def test_a_choice_gives_one_of_the_choices_and_unconstrained_rows_are_unchanged(llm):
+    free = SamplingParams(max_tokens=12, temperature=0)
+    alone = llm.chat(chat("Tell me about the sea."), free, use_tqdm=False)[0].text
+    choice = SamplingParams(max_tokens=12, temperature=0,
+                            structured_outputs=StructuredOutputs(choice=["Paris", "Lyon", "Nice"]))
+    regex = SamplingParams(max_tokens=12, temperature=0.8, seed=3,
+                           structured_outputs=StructuredOutputs(regex="[0-9]{3}-[0-9]{4}"))
+    outs = llm.chat([chat("What is the capital of France?"), chat("Tell me about the sea."),
+                     chat("Give me a phone number.")], [choice, free, regex], use_tqdm=False)
+    assert outs[0].text in ("Paris", "Lyon", "Nice") and outs[0].finish_reason == "stop"
+    assert outs[1].text == alone
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", outs[2].text) and outs[2].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_json_object_gives_an_object(llm):
+    params = SamplingParams(max_tokens=60, temperature=0,
+                            structured_outputs=StructuredOutputs(json_object=True))
+    out = llm.chat(chat("Answer in JSON: what is the capital of France?"), params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert isinstance(json.loads(out.text), dict)
+
+
+@pytest.mark.slow
+def test_an_invalid_schema_is_refused_before_anything_runs(llm):
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="(a"))
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        llm.generate(["hello"], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
