@@ -35,9 +35,9 @@ def parse_structured(req) -> Structured | None:
     found = []
     response_format = getattr(req, "response_format", None)
     if response_format is not None:
-        spec = _response_format(response_format)
-        if spec is not None:
-            found.append(Structured(spec, "response_format"))
+        structured = _response_format(response_format)
+        if structured is not None:
+            found.append(structured)
     structured = getattr(req, "structured_outputs", None)
     if structured is not None:
         found.append(_structured_outputs(structured))
@@ -56,12 +56,12 @@ def parse_structured(req) -> Structured | None:
     return found[0] if found else None
 
 
-def _response_format(value: dict) -> StructuredOutputs | None:
+def _response_format(value: dict) -> Structured | None:
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputs(json_object=True)
+        return Structured(StructuredOutputs(json_object=True), "response_format")
     if kind == "json_schema":
         body = value.get("json_schema")
         if not isinstance(body, dict):
@@ -71,7 +71,8 @@ def _response_format(value: dict) -> StructuredOutputs | None:
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format.json_schema.schema")
-        return _spec("json", schema, "response_format.json_schema.schema")
+        param = "response_format.json_schema.schema"
+        return Structured(_spec("json", schema, param), param)
     raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got "
                    f"{kind!r}", param="response_format.type")
 
