@@ -11,6 +11,7 @@ client's tokens, never waits for it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,15 +84,17 @@ class Frontend:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
-        num_chars = sum(len(m["content"]) for m in messages)
+        num_chars = sum(len(m["content"] or "") for m in messages)
+        if tools:
+            num_chars += len(json.dumps(tools))
         await self._check_chars(num_chars, "messages")
         # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
         return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
-                                    self.config.server.special_tokens_in_content)
+                                    self.config.server.special_tokens_in_content, tools=tools)
 
     async def encode_text(self, text: str) -> list[int]:
         await self._check_chars(len(text), "prompt")

@@ -28,6 +28,8 @@ from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
 from kvmesh.cluster.status import worker_rows
 from kvmesh.cluster.structured_request import parse_structured
+from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
+from kvmesh.cluster import tool_parser
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
@@ -55,9 +57,11 @@ def _max_tokens_param(req) -> str:
             else "max_tokens")
 
 
-def _prompt(req, kind: str) -> Prompt:
+def _prompt(req, kind: str, tools=None, tokenizer=None) -> Prompt:
     if kind == "chat":
-        return Prompt("messages", messages=chat_prompt_text(req.messages))
+        messages, template_tools = render_chat(req.messages, chat_prompt_text(req.messages), tools,
+                                               tokenizer)
+        return Prompt("messages", messages=messages, tools=template_tools)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -89,6 +93,27 @@ async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
                                          delta.top_logprobs, delta.finish_reason, offset,
                                          include_usage))
             offset += len(delta.text)
+        if include_usage:
+            last = stream.last
+            yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
+                                         stream.num_tokens, last.num_cached_tokens))
+        yield SSE_DONE
+
+
+async def _sse_tools(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools):
+    """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream)."""
+    parser = tool_parser.ToolStream(tools)
+    async with stream:
+        yield sse(shaper.role_chunk(include_usage))
+        async for delta in stream:
+            pieces = parser.feed(delta.text)
+            if delta.finished:
+                pieces += parser.finish()
+            for piece in pieces:
+                yield sse(shaper.choice_chunk(piece, None, include_usage))
+            if delta.finished:
+                reason = tool_parser.finish_reason(delta.finish_reason, tools, parser.calls)
+                yield sse(shaper.choice_chunk({}, reason, include_usage))
         if include_usage:
             last = stream.last
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
@@ -195,10 +220,17 @@ class Ingress(GrpcService):
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
             structured = parse_structured(req)
+            tools = parse_tools(req) if kind == "chat" else None
+            if tools is not None and (forced := forced_structure(tools)) is not None:
+                if structured is not None:
+                    raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "
+                                   f"{structured.param} cannot be given with it", param=structured.param)
+                structured = forced
             if structured is not None:
                 await self.frontend.check_grammar(structured.spec, structured.param)
             admitted = await self.pipeline.admit(GenerationRequest(
-                _prompt(req, kind), functools.partial(_sampling_params, req, structured),
+                _prompt(req, kind, tools, self.frontend.tokenizer),
+                functools.partial(_sampling_params, req, structured),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
@@ -209,15 +241,25 @@ class Ingress(GrpcService):
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage),
+                body = (_sse(stream, shaper, include_usage) if tools is None
+                        else _sse_tools(stream, shaper, include_usage, tools))
+                return StreamingResponse(body,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await self.pipeline.whole(admitted)
             last = result.last
-            return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
+            body = shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
                                last.finish_reason,
                                last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
                                last.num_cached_tokens)
+            if tools is not None and tools.parses_output:
+                content, calls = tool_parser.parse_output(result.text, tools)
+                choice = body["choices"][0]
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                choice["finish_reason"] = tool_parser.finish_reason(last.finish_reason, tools, calls)
+            return body
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 

@@ -70,6 +70,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls made (cluster/tool_calls.py)
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -77,6 +80,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # cluster/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request):
@@ -86,7 +92,6 @@ class CompletionRequest(_Request):
 
 
 UNSUPPORTED = {
-    "tools": "tool calls are not supported",
     "functions": "function calls are not supported",
     "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported",
