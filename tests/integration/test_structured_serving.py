@@ -103,3 +103,97 @@ def test_a_bad_constraint_is_a_400_naming_the_field(cluster, fields, param):
                         {"model": MODEL, "messages": ASK_CITY, "max_tokens": 4, **fields})
     assert code == 400, err
     assert err["error"]["param"] == param
+
+
+# ---- tool calls --------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_choice_is_parsed_into_tool_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
+                                       temperature=0, tools=[WEATHER, TIME],
+                                       tool_choice=FORCE_WEATHER)
+    message = r.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert r.choices[0].finish_reason == "stop"  # a forced function ends as OpenAI's does
+
+
+def test_a_named_tool_choice_streams_tool_call_deltas(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
+                                            temperature=0, tools=[WEATHER, TIME],
+                                            tool_choice=FORCE_WEATHER, stream=True)
+    name, arguments, ids, content, reasons = None, "", set(), "", []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            ids.add(tc.id) if tc.id else None
+            name = (tc.function.name if tc.function and tc.function.name else name)
+            arguments += (tc.function.arguments or "") if tc.function else ""
+    assert name == "get_weather" and len(ids) == 1 and content == ""
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    assert reasons[-1] == "stop"
+
+
+def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=80,
+                                       temperature=0, tools=[WEATHER, TIME],
+                                       tool_choice="required", parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0].function.name]
+    jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
+
+
+def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
+    from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
+    from kvmesh.cluster.tool_calls import parse_tools, render_chat
+    from kvmesh.worker.chat_template import encode_chat
+    from kvmesh.worker.loader import load_tokenizer
+    from types import SimpleNamespace
+
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=30,
+                                       temperature=0, tools=[WEATHER])
+    tokenizer = load_tokenizer(MODEL)[0]
+    ms = [ChatMessage.model_validate(m) for m in history]
+    tools = parse_tools(SimpleNamespace(tools=[WEATHER], tool_choice=None, parallel_tool_calls=None))
+    rendered, _ = render_chat(ms, chat_prompt_text(ms), tools, tokenizer)
+    assert r.usage.prompt_tokens == len(encode_chat(tokenizer, rendered))
+    assert "Sunny, 24 C" in rendered[-1]["content"] and "get_weather" in rendered[-2]["content"]
+    assert r.choices[0].message.content  # an answer, not an empty turn
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_tool_requests_name_the_field(cluster, fields, param):
+    code, err, _ = post(cluster, "/v1/chat/completions",
+                        {"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **fields})
+    assert code == 400, err
+    assert err["error"]["param"] == param
