@@ -112,6 +112,7 @@ def test_greedy_generation_under_a_json_schema_is_schema_valid(llm):
     out = llm.chat(chat("Give the city, population and whether it is a capital, for Paris, as JSON."), params, use_tqdm=False)[0]
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert "\n" not in out.text  # JSON is generated on one line: no indentation to loop on
 
 
 @pytest.mark.slow
@@ -144,3 +145,16 @@ def test_an_invalid_schema_is_refused_before_anything_runs(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         llm.generate(["hello"], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_with_async_scheduling_a_constrained_batch_is_stepped_without_overlap():
+    """The mask needs the previous token accepted: the engine processes each step before the next
+    while a row has a grammar (the mask would raise if a token were still in flight)."""
+    tiny = LLM("random:tiny-llama", device="cpu", async_scheduling=True)
+    choice = SamplingParams(max_tokens=20, temperature=1.0, seed=2,
+                            structured_outputs=StructuredOutputs(choice=["alpha", "beta", "gamma"]))
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = tiny.generate(prompt_token_ids=[list(range(30)), list(range(40)), list(range(50))],
+                         sampling_params=[free, choice, choice], use_tqdm=False)
+    assert len(outs[0].token_ids) == 12
+    assert {outs[1].text, outs[2].text} <= {"alpha", "beta", "gamma"}

@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.cluster.openai_protocol import ApiError, ChatMessage, chat_prompt_text
 from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
-from kvmesh.cluster.tool_parser import ToolStream, parse_auto, parse_output
+from kvmesh.cluster.tool_parser import ToolStream, finish_reason, parse_auto, parse_output
 from kvmesh.worker.chat_template import encode_chat
 from kvmesh.worker.presets import build_byte_tokenizer
 
@@ -207,3 +207,21 @@ def test_special_token_text_in_template_rendered_tools_is_refused():
     with pytest.raises(ApiError) as e:
         render_chat(ms, chat_prompt_text(ms), parse_tools(req(tools=[evil])), tokenizer)
     assert e.value.param == "tools"
+
+
+def test_finish_reason_is_tool_calls_for_auto_and_required_calls_only():
+    auto = parse_tools(req(tools=[WEATHER]))
+    _, calls = parse_auto(HERMES)
+    assert finish_reason("stop", auto, calls) == "tool_calls"
+    assert finish_reason("stop", auto, []) == "stop"
+    assert finish_reason("length", auto, calls) == "length"
+    named = parse_tools(req(tools=[WEATHER], tool_choice={"type": "function",
+                                                          "function": {"name": "get_weather"}}))
+    assert finish_reason("stop", named, calls) == "stop"
+
+
+def test_tool_choice_none_leaves_the_output_as_content():
+    none = parse_tools(req(tools=[WEATHER], tool_choice="none"))
+    assert parse_output(HERMES, none) == (HERMES, [])
+    stream = ToolStream(none)
+    assert _replay(stream.feed(HERMES) + stream.finish()) == (HERMES, [])
