@@ -93,6 +93,7 @@ class CompletionRequest(_Request):
 
 UNSUPPORTED = {
     "functions": "function calls are not supported",
+    "function_call": "function_call is not supported; use tools and tool_choice",
     "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported",
     "suffix": "suffix is not supported",

@@ -191,6 +191,8 @@ def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
 ])
 def test_bad_tool_requests_name_the_field(cluster, fields, param):
     code, err, _ = post(cluster, "/v1/chat/completions",
