@@ -27,7 +27,10 @@ class GrammarError(ValueError):
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer. Thread-safe; `submit` compiles off the caller's thread."""
+    """Compiles specs for one tokenizer. Thread-safe; `submit` compiles off the caller's thread.
+    The last MAX_CACHED distinct specs stay compiled (a compiled grammar holds per-token tables)."""
+
+    MAX_CACHED = 256
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
                  threads: int = 1):
@@ -39,7 +42,8 @@ class GrammarCompiler:
                                       else None)
         self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                              stop_token_ids=stop_ids)
-        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads)
+        # no second cache inside xgrammar: ours is bounded
+        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
         self._futures: dict[tuple, Future] = {}
         self._lock = threading.Lock()
@@ -54,8 +58,8 @@ class GrammarCompiler:
             future = self._futures.get(spec.key)
             if future is None or (future.done() and future.exception() is not None):
                 future = self._pool.submit(self._compile, spec)
-                if len(self._futures) >= 4096:  # the compiler keeps its own cache; this only dedups
-                    self._futures.clear()
+                while len(self._futures) >= self.MAX_CACHED:  # forget the oldest
+                    del self._futures[next(iter(self._futures))]
                 self._futures[spec.key] = future
             return future
 

@@ -158,3 +158,13 @@ def test_with_async_scheduling_a_constrained_batch_is_stepped_without_overlap():
                          sampling_params=[free, choice, choice], use_tqdm=False)
     assert len(outs[0].token_ids) == 12
     assert {outs[1].text, outs[2].text} <= {"alpha", "beta", "gamma"}
+
+
+def test_the_cache_keeps_the_last_specs_only(byte_compiler, monkeypatch):
+    _, compiler = byte_compiler
+    monkeypatch.setattr(compiler, "MAX_CACHED", 2)
+    first = compiler.submit(StructuredOutputs(regex="a"))
+    compiler.submit(StructuredOutputs(regex="b"))
+    compiler.submit(StructuredOutputs(regex="c"))
+    assert compiler.submit(StructuredOutputs(regex="c")).result() is not None
+    assert compiler.submit(StructuredOutputs(regex="a")) is not first  # compiled again
