@@ -221,6 +221,9 @@ class Ingress(GrpcService):
             req = await self._parse(request, kind)
             structured = parse_structured(req)
             tools = parse_tools(req) if kind == "chat" else None
+            if tools is not None and tools.parses_output and req.stream and req.logprobs:
+                raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are "
+                               "not token-aligned); ask without stream", param="logprobs")
             if tools is not None and (forced := forced_structure(tools)) is not None:
                 if structured is not None:
                     raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "

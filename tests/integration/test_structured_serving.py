@@ -153,6 +153,21 @@ def test_a_named_tool_choice_streams_tool_call_deltas(client):
     assert reasons[-1] == "stop"
 
 
+def test_tool_choice_auto_with_a_plain_answer_is_content_whole_and_streamed(client):
+    """The default model answers this in prose: no call parsed, the text is the content."""
+    ask = [{"role": "user", "content": "Say hello to me."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0,
+                                       tools=[WEATHER])
+    message = r.choices[0].message
+    assert message.content and not message.tool_calls
+    assert r.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20,
+                                            temperature=0, tools=[WEATHER], stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+
+
 def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=80,
                                        temperature=0, tools=[WEATHER, TIME],
@@ -191,6 +206,7 @@ def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
+    ({"tools": [WEATHER], "stream": True, "logprobs": True}, "logprobs"),
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
 ])
