@@ -157,9 +157,10 @@ def test_tool_choice_auto_with_a_plain_answer_is_content_whole_and_streamed(clie
     """The default model answers this in prose: no call parsed, the text is the content."""
     ask = [{"role": "user", "content": "Say hello to me."}]
     r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0,
-                                       tools=[WEATHER])
+                                       tools=[WEATHER], logprobs=True)
     message = r.choices[0].message
     assert message.content and not message.tool_calls
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens  # kept when not streamed
     assert r.choices[0].finish_reason in ("stop", "length")
     stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20,
                                             temperature=0, tools=[WEATHER], stream=True)
