@@ -123,7 +123,7 @@ def apply_grammar_masks(logits: torch.Tensor, requests, vocab_size: int) -> None
         if requests[i].num_pending:
             raise RuntimeError(f"request {requests[i].request_id}: its grammar is a token behind")
         requests[i].grammar.fill_mask(bitmask, i)
-    if logits.is_cuda:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.is_cuda:  # pinned, so the copy is queued behind the forward instead of waiting for it
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows,
                                          backend="cpu" if not logits.is_cuda else "auto")

@@ -168,3 +168,24 @@ def test_the_cache_keeps_the_last_specs_only(byte_compiler, monkeypatch):
     compiler.submit(StructuredOutputs(regex="c"))
     assert compiler.submit(StructuredOutputs(regex="c")).result() is not None
     assert compiler.submit(StructuredOutputs(regex="a")) is not first  # compiled again
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_as_aborted():
+    from kvmesh.protocol import EngineRequest
+    from kvmesh.worker.engine import Engine
+    from kvmesh.config import EngineConfig
+
+    engine = Engine(EngineConfig(model="random:tiny-llama", device="cpu"))
+    spec = StructuredOutputs(json={"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i}}}$"} for i in range(1, 40)}})
+    engine.add_request(EngineRequest("slow", list(range(20)), SamplingParams(
+        max_tokens=4, structured_outputs=spec)))
+    engine.add_request(EngineRequest("free", list(range(20)), SamplingParams(max_tokens=4)))
+    engine.abort_request("slow")
+    deltas = []
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        deltas += engine.step()
+    ends = {d.request_id: d.finish_reason for d in deltas if d.finished}
+    assert ends == {"slow": "abort", "free": "length"}
