@@ -34,19 +34,30 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
                  threads: int = 1):
-        import xgrammar
-
-        self._xgr = xgrammar
         self.vocab_size = vocab_size
-        stop_ids = stop_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
-                                      else None)
-        self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                             stop_token_ids=stop_ids)
-        # no second cache inside xgrammar: ours is bounded
-        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
+        self._tokenizer = tokenizer
+        self._stop_ids = stop_token_ids or ([tokenizer.eos_token_id]
+                                            if tokenizer.eos_token_id is not None else None)
+        self._compiler = None  # built on the compile thread: reading the vocabulary takes a while
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
+        self._threads = threads
         self._futures: dict[tuple, Future] = {}
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
+
+    def _xgrammar_compiler(self):
+        with self._build_lock:
+            if self._compiler is None:
+                self._compiler = self._build()
+        return self._compiler
+
+    def _build(self):
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self._stop_ids)
+        # no second cache inside xgrammar: ours is bounded
+        return xgrammar.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar (cached), or GrammarError naming the spec's field."""
@@ -65,22 +76,26 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputs):
         kind = spec.kind
+        compiler = self._xgrammar_compiler()  # on the pool's thread(s) only
         try:
             if kind == "json":
-                return self._compiler.compile_json_schema(spec.json, any_whitespace=False)
+                return compiler.compile_json_schema(spec.json, any_whitespace=False)
             if kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
-                return self._compiler.compile_regex(spec.regex)
+                return compiler.compile_regex(spec.regex)
             if kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(spec.choice))
-            return self._compiler.compile_grammar(spec.grammar)
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GrammarError(f"structured_outputs.{kind}: does not compile: {first_line}") from None
 
-    def matcher(self, compiled) -> "GrammarMatcher":
-        return GrammarMatcher(self._xgr.GrammarMatcher(compiled))
+    @staticmethod
+    def matcher(compiled) -> "GrammarMatcher":
+        import xgrammar
+
+        return GrammarMatcher(xgrammar.GrammarMatcher(compiled))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
