@@ -135,10 +135,12 @@ def test_a_named_tool_choice_is_parsed_into_tool_calls(client):
 def test_a_named_tool_choice_streams_tool_call_deltas(client):
     stream = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
                                             temperature=0, tools=[WEATHER, TIME],
-                                            tool_choice=FORCE_WEATHER, stream=True)
-    name, arguments, ids, content, reasons = None, "", set(), "", []
+                                            tool_choice=FORCE_WEATHER, stream=True,
+                                            stream_options={"include_usage": True})
+    name, arguments, ids, content, reasons, usage = None, "", set(), "", [], None
     for chunk in stream:
         if not chunk.choices:
+            usage = chunk.usage
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
@@ -151,6 +153,7 @@ def test_a_named_tool_choice_streams_tool_call_deltas(client):
     assert name == "get_weather" and len(ids) == 1 and content == ""
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert reasons[-1] == "stop"
+    assert usage is not None and usage.completion_tokens > 0
 
 
 def test_tool_choice_auto_with_a_plain_answer_is_content_whole_and_streamed(client):
