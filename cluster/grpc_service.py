@@ -30,6 +30,7 @@ import grpc
 from kvmesh.cluster.auth import bearer_token, grpc_authorization
 from kvmesh.cluster.openai_protocol import ApiError, new_id
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt
+from kvmesh.cluster.status import cluster_health
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
@@ -157,8 +158,8 @@ class GrpcService:
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         self._check_key("health", grpc_context)
         loads, _ = await self.hub.loads.remote()
-        healthy = [w for w, load in loads.items() if load.healthy]
-        return pb.HealthResponse(healthy=bool(healthy), num_workers=len(healthy),
+        health = cluster_health(loads, self.config.scales_to_zero)
+        return pb.HealthResponse(healthy=health.serving, num_workers=health.workers,
                                  model=self.frontend.model_name)
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:

@@ -26,7 +26,7 @@ from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
-from kvmesh.cluster.status import worker_rows
+from kvmesh.cluster.status import cluster_health, worker_rows
 from kvmesh.cluster.structured_request import parse_structured
 from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
 from kvmesh.cluster import tool_parser
@@ -156,9 +156,8 @@ class Ingress(GrpcService):
         if (denied := self._auth(request, "health")) is not None:
             return denied
         loads, _ = await self.hub.loads.remote()
-        healthy = [w for w, load in loads.items() if load.healthy]
-        body = {"status": "ok" if healthy else "no_workers", "workers": len(healthy)}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        health = cluster_health(loads, self.config.scales_to_zero)
+        return JSONResponse(health.body(), status_code=health.http_status)
 
     @app.get("/v1/models")
     async def models(self, request: Request):

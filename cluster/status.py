@@ -1,5 +1,8 @@
 """What `kvmesh status` shows: one row per worker replica from the loads and counters the workers
-publish to the KV event hub (the same numbers /metrics exports)."""
+publish to the KV event hub (the same numbers /metrics exports); and what /health and gRPC Health
+answer from the same loads."""
+
+from dataclasses import dataclass
 
 from kvmesh.protocol import WorkerLoad
 
@@ -54,3 +57,29 @@ def _cell(column: str, value) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
     return str(value)
+
+
+@dataclass(frozen=True)
+class Health:
+    status: str  # "ok", "scaled_to_zero" or "no_workers"
+    workers: int  # healthy worker replicas
+    serving: bool  # a request sent now is answered (at zero: once a replica has started)
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.serving else 503
+
+    def body(self) -> dict:
+        return {"status": self.status, "workers": self.workers}
+
+
+def cluster_health(loads: dict[str, WorkerLoad], scales_to_zero: bool) -> Health:
+    """Healthy workers: ok. None at all where autoscaling may go to zero replicas: the deployment
+    is scaled to zero, and a request starts one (a load balancer must keep sending, or it never
+    wakes). Otherwise (none yet, or all of them failed): no_workers, 503."""
+    healthy = sum(1 for load in loads.values() if load.healthy)
+    if healthy:
+        return Health("ok", healthy, True)
+    if scales_to_zero and not loads:
+        return Health("scaled_to_zero", 0, True)
+    return Health("no_workers", 0, False)

@@ -148,6 +148,11 @@ class ServeConfig(_Strict):
             raise ValueError("route_prefix must start with '/'")
         return v
 
+    @property
+    def scales_to_zero(self) -> bool:
+        """Autoscaling may take the workers to zero replicas (then none is not a failure)."""
+        return self.autoscaling.enabled and self.autoscaling.min_replicas == 0
+
     def engine_config(self, worker_id: str, device: str | None = None) -> EngineConfig:
         """The frozen engine arguments of one worker replica."""
         e = self.engine

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -51,8 +52,22 @@ def complete(cluster, prompt: str, max_tokens: int) -> dict:
         return json.loads(resp.read())
 
 
+def health(cluster) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(cluster.http_url + "/health", timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def test_scales_to_zero_when_idle_and_a_request_brings_a_replica_back(cluster):
     wait_for_replicas(cluster, 0, timeout_s=120)
+    # At zero /health answers 200 "scaled_to_zero" (a load balancer that saw 503 would stop sending
+    # the request that wakes it); the hub forgets the last worker shortly after Serve stops it.
+    deadline = time.monotonic() + 60
+    while (answer := health(cluster))[1]["status"] == "ok" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert answer == (200, {"status": "scaled_to_zero", "workers": 0})
     with cf.ThreadPoolExecutor(1) as ex:
         answer = ex.submit(complete, cluster, "wake up", 8)
         seen = wait_for_replicas(cluster, 1, timeout_s=180)  # 0 -> 1 while the request waits
@@ -79,7 +94,8 @@ def test_the_ttft_a_worker_reports_includes_the_wait_at_the_ingress(cluster):
         assert stats.stdout.readline().strip() == "ready"
         complete(cluster, "warm", 1)  # a replica is up (cold start) before the timed pair
         with cf.ThreadPoolExecutor(2) as ex:
-            long = ex.submit(complete, cluster, "long", 600)
+            # 1,800 tokens: seconds on the tiny model even on an idle machine (600 took 0.7 s there)
+            long = ex.submit(complete, cluster, "long", 1800)
             time.sleep(0.5)  # the long one holds the replica's only slot
             sent = time.time()
             short = ex.submit(complete, cluster, "short", 1)  # waits at the ingress for the slot

@@ -39,7 +39,7 @@ def test_ray_cluster_config_matches_the_raycluster_crd(name):
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_core_kinds_pass_kubernetes_validate(name):
-    core = [o for o in manifests(VALUE_SETS[name]) if o["apiVersion"] in ("v1", "policy/v1")]
+    core = [o for o in manifests(VALUE_SETS[name]) if o["apiVersion"] in ("v1", "policy/v1", "networking.k8s.io/v1")]
     assert core, "the chart renders at least the HTTP Service"
     for obj in core:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)

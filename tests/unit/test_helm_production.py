@@ -1,6 +1,7 @@
 """What a production install of the chart renders: names KubeRay accepts for any release name, the
 model cache and hub credentials on every Ray pod, probe and scheduling overrides, PodDisruptionBudgets,
-GCS fault tolerance and an authenticated ServiceMonitor (value set "production" in helm_values)."""
+GCS fault tolerance, an authenticated ServiceMonitor, and an Ingress and Gateway API routes to the
+Services (value set "production" in helm_values)."""
 
 import re
 import sys
@@ -144,3 +145,43 @@ def test_extra_objects_are_rendered_through_tpl():
     configmap = one(manifests(VALUE_SETS["production"]), "ConfigMap", "kvmesh-extra-env")
     assert configmap["metadata"]["labels"]["release"] == "demo"
     assert configmap["data"] == {"NCCL_DEBUG": "WARN"}
+
+
+def test_ingress_routes_its_hosts_and_paths_to_the_http_service():
+    objects = manifests(VALUE_SETS["production"])
+    ingress, service = one(objects, "Ingress"), one(objects, "Service", "-http")
+    assert ingress["apiVersion"] == "networking.k8s.io/v1"
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert ingress["spec"]["tls"] == [{"secretName": "llm-example-tls", "hosts": ["llm.example.com"]}]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/v1", "Prefix")
+    assert path["backend"]["service"] == {"name": service["metadata"]["name"],
+                                          "port": {"number": service["spec"]["ports"][0]["port"]}}
+
+
+def test_ingress_with_the_default_host_matches_any_host():
+    (rule,) = one(manifests({"ingress": {"enabled": True}}), "Ingress")["spec"]["rules"]
+    assert "host" not in rule and rule["http"]["paths"][0]["path"] == "/"
+
+
+def test_gateway_routes_attach_to_the_gateway_and_reach_both_services():
+    objects = manifests(VALUE_SETS["production"])
+    http_route, grpc_route = one(objects, "HTTPRoute"), one(objects, "GRPCRoute")
+    http_service, grpc_service = one(objects, "Service", "-http"), one(objects, "Service", "-grpc")
+    assert http_route["apiVersion"] == grpc_route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert http_route["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateways", "sectionName": "https"}]
+    assert http_route["spec"]["hostnames"] == ["llm.example.com"]
+    (rule,) = http_route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["timeouts"] == {"request": "0s"}
+    assert rule["backendRefs"] == [{"name": http_service["metadata"]["name"],
+                                    "port": http_service["spec"]["ports"][0]["port"]}]
+    assert grpc_route["spec"]["rules"] == [{"backendRefs": [{"name": grpc_service["metadata"]["name"],
+                                                             "port": grpc_service["spec"]["ports"][0]["port"]}]}]
+
+
+def test_no_ingress_or_routes_by_default():
+    assert not [o for o in manifests() if o["kind"] in ("Ingress", "HTTPRoute", "GRPCRoute")]

@@ -129,3 +129,10 @@ def test_emitted_serve_config_is_accepted_by_serve_schema():
     from kvmesh.cluster.app import serve_config_document
 
     ServeDeploySchema.model_validate(serve_config_document(ServeConfig()))
+
+
+def test_scales_to_zero_only_with_autoscaling_down_to_zero_replicas():
+    from kvmesh.serve_config import parse_config
+    assert parse_config({"autoscaling": {"enabled": True, "min_replicas": 0}}).scales_to_zero
+    assert not parse_config({"autoscaling": {"enabled": True, "min_replicas": 1}}).scales_to_zero
+    assert not parse_config({"autoscaling": {"enabled": False, "min_replicas": 0}}).scales_to_zero

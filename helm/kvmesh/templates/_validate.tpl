@@ -64,6 +64,17 @@ Checks across values that values.schema.json cannot express; each failure says w
 {{- if and .Values.metrics.serviceMonitor.enabled $server.auth_metrics (not .Values.metrics.serviceMonitor.bearerTokenSecret.name) (not .Values.apiKeysSecret.name) }}
 {{- fail "kvmesh.server.auth_metrics is true but Prometheus has no key to send: set metrics.serviceMonitor.bearerTokenSecret.name (or apiKeysSecret.name, holding one key)" }}
 {{- end }}
+{{- if and .Values.ingress.enabled (not .Values.ingress.hosts) }}
+{{- fail "ingress.enabled is true but ingress.hosts is empty: give at least one host (host: \"\" matches any) with its paths" }}
+{{- end }}
+{{- range $kind, $route := dict "httpRoute" .Values.gateway.httpRoute "grpcRoute" .Values.gateway.grpcRoute }}
+{{- if and $route.enabled (not $route.parentRefs) }}
+{{- fail (printf "gateway.%s.enabled is true but gateway.%s.parentRefs is empty: name the Gateway it attaches to" $kind $kind) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.gateway.grpcRoute.enabled (not (and .Values.service.grpc.enabled (include "kvmesh.grpcEnabled" .))) }}
+{{- fail "gateway.grpcRoute.enabled is true but there is no gRPC Service to route to: set service.grpc.enabled and a kvmesh.server.grpc_port above 0" }}
+{{- end }}
 {{- end }}
 
 {{/*
