@@ -226,7 +226,9 @@ class Engine:
                     logger.error("request %s: its grammar refused token %d", req.request_id, token)
                     self._finish(req, "error")
                     deltas.append(self._delta(req, [token], None))
-                    deltas[-1].error = f"the grammar refused token {token}"
+                    # the request's grammar led where no token fits: a 400 if nothing was sent yet
+                    deltas[-1].error = (f"invalid_request: structured_outputs: the grammar allows no "
+                                        f"token after {req.num_resolved_output_tokens - 1} tokens")
                     continue
                 if req.first_token_time is None:
                     req.first_token_time = now

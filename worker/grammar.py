@@ -79,17 +79,29 @@ class GrammarCompiler:
         compiler = self._xgrammar_compiler()  # on the pool's thread(s) only
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec.json, any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
+                compiled = compiler.compile_json_schema(spec.json, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(spec.choice))
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GrammarError(f"structured_outputs.{kind}: does not compile: {first_line}") from None
+        if not self._allows_a_first_token(compiled):
+            raise GrammarError(f"structured_outputs.{kind}: matches no text this model can write")
+        return compiled
+
+    def _allows_a_first_token(self, compiled) -> bool:
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(vocab / 32)]
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bool(bits.flatten()[:self.vocab_size].any())
 
     @staticmethod
     def matcher(compiled) -> "GrammarMatcher":

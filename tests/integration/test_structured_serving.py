@@ -87,6 +87,7 @@ STRUCTURED_ERRORS = [
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),

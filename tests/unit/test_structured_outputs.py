@@ -54,6 +54,7 @@ def byte_compiler():
     (StructuredOutputs(json='{"type": "nonsense"}'), "structured_outputs.json"),
     (StructuredOutputs(regex="(unclosed"), "structured_outputs.regex"),
     (StructuredOutputs(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
+    (StructuredOutputs(regex="[^\\s\\S]"), "structured_outputs.regex"),  # compiles, matches nothing
 ])
 def test_a_spec_that_does_not_compile_names_its_field(byte_compiler, spec, field):
     _, compiler = byte_compiler
@@ -189,3 +190,23 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_as_aborted():
         deltas += engine.step()
     ends = {d.request_id: d.finish_reason for d in deltas if d.finished}
     assert ends == {"slow": "abort", "free": "length"}
+
+
+def test_a_grammar_that_leads_nowhere_ends_its_request_as_invalid():
+    """`a` then nothing: the first token is allowed, the next row has no allowed token at all."""
+    from kvmesh.protocol import EngineRequest
+    from kvmesh.worker.engine import Engine
+    from kvmesh.config import EngineConfig
+
+    engine = Engine(EngineConfig(model="random:tiny-llama", device="cpu"))
+    engine.add_request(EngineRequest("dead", list(range(20)), SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(regex="a[^\\s\\S]"))))
+    deltas = []
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        deltas += engine.step()
+    assert deltas[0].text == "a"
+    assert deltas[-1].finish_reason == "error"
+    assert deltas[-1].error == ("invalid_request: structured_outputs: the grammar allows no token "
+                                "after 1 tokens")
