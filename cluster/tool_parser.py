@@ -10,7 +10,8 @@ is the JSON array the grammar enforced, and with a named function it is that fun
 
 Streaming follows vLLM's deltas: a call's first delta has its index, id, type and name (arguments
 ""), the next ones add to `function.arguments`. A named function's arguments stream as they are
-generated; `auto` and `required` calls are sent when the output ends (one delta per call after its
+generated, and so do `required` calls (a call's header once its name is complete, then its
+parameters' text); `auto` calls are sent when the output ends (one delta per call after its
 header), while content before a `<tool_call>` streams as it comes.
 """
 
@@ -131,6 +132,7 @@ class ToolStream:
         self._text = ""  # the whole output so far
         self._sent = 0  # characters of it sent as content (auto)
         self._held = False  # auto: a tool call (or a JSON one) may have begun; hold the rest
+        self._streamed: list[dict] = []  # required: per call, its id and the arguments sent
 
     def feed(self, piece: str) -> list[dict]:
         self._text += piece
@@ -145,7 +147,7 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
             return out
         if choice == "required":
-            return []
+            return self._required_deltas()
         if choice == "none":
             return [{"content": piece}] if piece else []
         return self._auto_content()
@@ -177,6 +179,12 @@ class ToolStream:
             return []
         if choice == "required":
             content, calls = parse_output(self._text, self.request)
+            if self._streamed:  # sent as generated: only what is still missing
+                out = self._required_deltas()
+                for call, sent in zip(calls, self._streamed):
+                    call.id = sent["id"]
+                self.calls = calls  # none when the output was cut short (finish_reason length)
+                return out
         else:
             content, calls = parse_auto(self._text)
         if not calls:
@@ -193,3 +201,66 @@ class ToolStream:
                                         "function": {"name": call.name, "arguments": ""}}]})
             out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
         return out
+
+    def _required_deltas(self) -> list[dict]:
+        """`required`: the grammar's array of {"name", "parameters"} read as it grows; a call's
+        header goes once its name is complete, then its parameters' text as it comes."""
+        out = []
+        for i, (name, params) in enumerate(_scan_calls(self._text)):
+            if name is None:
+                break
+            if i == len(self._streamed):
+                self._streamed.append({"id": ToolCall(name, "").id, "sent": 0})
+                out.append({"tool_calls": [{"index": i, "id": self._streamed[i]["id"],
+                                            "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            sent = self._streamed[i]["sent"]
+            if len(params) > sent:
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": params[sent:]}}]})
+                self._streamed[i]["sent"] = len(params)
+        return out
+
+
+def _scan_calls(text: str) -> list[tuple[str | None, str]]:
+    """The calls of a (growing) JSON array of {"name": ..., "parameters": {...}}: each call's name
+    (None until its string is complete) and the raw text of its parameters so far."""
+    calls: list[list] = []
+    depth, in_string, escaped = 0, False, False
+    key, key_start, value_start, expect = None, -1, -1, None  # at depth 2: the element's keys
+    for pos, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 2 and expect == "key":
+                    key, expect = text[key_start + 1:pos], "colon"
+                elif depth == 2 and expect == "name":
+                    calls[-1][0], expect = json.loads(text[value_start:pos + 1]), None
+            continue
+        if ch == '"':
+            in_string = True
+            if depth == 2 and expect in (None, "key") and key is None:
+                key_start, expect = pos, "key"
+            elif depth == 2 and expect == "value" and key == "name":
+                value_start, expect = pos, "name"
+        elif ch == ":" and depth == 2 and expect == "colon":
+            expect = "value"
+        elif ch in "[{":
+            depth += 1
+            if depth == 2 and ch == "{":
+                calls.append([None, ""])
+                key, expect = None, None
+            elif depth == 3 and expect == "value" and key == "parameters":
+                value_start, expect = pos, "parameters"
+        elif ch in "]}":
+            if depth == 3 and expect == "parameters":
+                calls[-1][1], expect = text[value_start:pos + 1], "done"
+            depth -= 1
+        elif ch == "," and depth == 2:
+            key, expect = None, None
+    if expect == "parameters":  # still being written
+        calls[-1][1] = text[value_start:]
+    return [(name, params) for name, params in calls]

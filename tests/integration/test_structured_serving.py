@@ -183,6 +183,21 @@ def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(client):
     jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
 
 
+def test_tool_choice_required_streams_the_same_call(client):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=80, temperature=0,
+                  tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    name, arguments, reasons = None, "", []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            name = tc.function.name or name
+            arguments += tc.function.arguments or ""
+    assert name == whole.function.name
+    assert json.loads(arguments) == json.loads(whole.function.arguments)
+    assert reasons[-1] == "tool_calls"
+
+
 def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
     from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
     from kvmesh.cluster.tool_calls import parse_tools, render_chat

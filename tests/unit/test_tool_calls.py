@@ -239,3 +239,25 @@ def test_tool_choice_none_leaves_the_output_as_content():
     assert parse_output(HERMES, none) == (HERMES, [])
     stream = ToolStream(none)
     assert _replay(stream.feed(HERMES) + stream.finish()) == (HERMES, [])
+
+
+REQUIRED_OUT = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "n": {"a": [1, 2]}}}, '
+                '{"name": "get_time", "parameters": {}}]')
+
+
+@pytest.mark.parametrize("step", [1, 4, 9])
+def test_streamed_required_calls_come_as_generated_and_equal_the_whole_parse(step):
+    request = parse_tools(req(tools=[WEATHER, TIME], tool_choice="required"))
+    stream = ToolStream(request)
+    deltas = []
+    for i in range(0, len(REQUIRED_OUT), step):
+        deltas += stream.feed(REQUIRED_OUT[i:i + step])
+        if i + step >= 30:  # the first name is complete by then: its header has gone
+            assert _replay(deltas)[1][0]["name"] == "get_weather"
+    deltas += stream.finish()
+    _, calls = _replay(deltas)
+    _, whole = parse_output(REQUIRED_OUT, request)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.name, json.loads(c.arguments)) for c in whole]
+    assert [c["id"] for c in calls] == [c.id for c in stream.calls]
+    assert sum(1 for d in deltas if "id" in d["tool_calls"][0]) == 2  # one header per call
