@@ -11,6 +11,7 @@ client's tokens, never waits for it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,7 @@ class Frontend:
         # One thread: a tokenizer is not safe to call from two at once, and small prompts do not
         # queue behind large ones (they stay on the loop).
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
+        self._grammars = None  # worker.grammar.GrammarCompiler, made on the first structured request
 
     # ---- model ---------------------------------------------------------------------------------
 
@@ -82,15 +84,17 @@ class Frontend:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
-        num_chars = sum(len(m["content"]) for m in messages)
+        num_chars = sum(len(m["content"] or "") for m in messages)
+        if tools:
+            num_chars += len(json.dumps(tools))
         await self._check_chars(num_chars, "messages")
         # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
         return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
-                                    self.config.server.special_tokens_in_content)
+                                    self.config.server.special_tokens_in_content, tools=tools)
 
     async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         await self._check_chars(len(text), "prompt")
@@ -151,6 +155,24 @@ class Frontend:
             block_hashes=block_hashes(prompt_ids, info.block_size, info.hash_salt),
             hash_block_size=info.block_size,
             session_key=session_key, arrival_time=arrival or time.time())
+
+    # ---- structured outputs ------------------------------------------------------------------
+
+    async def check_grammar(self, spec, param: str) -> None:
+        """ApiError(400) naming `param` if the spec does not compile. Compiled on the grammar
+        compiler's thread (never on the event loop) and cached, as the engine compiles it again."""
+        from kvmesh.worker.grammar import GrammarError
+
+        if self._grammars is None:
+            from kvmesh.worker.grammar import GrammarCompiler
+
+            vocab = (await self.model_info()).vocab_size or len(self.tokenizer)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab)
+        try:
+            await asyncio.wrap_future(self._grammars.submit(spec))
+        except GrammarError as e:
+            message = str(e).split(": ", 1)[-1]
+            raise ApiError(400, f"{param}: {message}", param=param) from None
 
     # ---- results -------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ disconnects closes its stream, which aborts the request on the worker.
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -29,6 +30,9 @@ from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
 from kvmesh.cluster.status import cluster_health, worker_rows
+from kvmesh.cluster.structured_request import parse_structured
+from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
+from kvmesh.cluster import tool_parser
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
@@ -63,11 +67,13 @@ def _max_tokens_param(req) -> str:
 MAX_PROMPTS_PER_REQUEST = 64
 
 
-def _prompts(req, kind: str) -> list[Prompt]:
-    """The request's prompts: one for chat; for completions a string, a list of token ids, or a
-    list of either (one choice each)."""
+def _prompts(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
+    """The request's prompts: one for chat (its tools rendered: cluster/tool_calls.py); for
+    completions a string, a list of token ids, or a list of either (one choice each)."""
     if kind == "chat":
-        return [Prompt("messages", messages=chat_prompt_text(req.messages))]
+        messages, template_tools = render_chat(req.messages, chat_prompt_text(req.messages), tools,
+                                               tokenizer)
+        return [Prompt("messages", messages=messages, tools=template_tools)]
     prompt = req.prompt
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
         return [_one_prompt(prompt, "prompt")]
@@ -83,6 +89,13 @@ def _one_prompt(prompt, param: str) -> Prompt:
     if isinstance(prompt, str):
         return Prompt(param, text=prompt)
     return Prompt(param, token_ids=list(prompt))
+
+
+def _sampling_params(req, structured, remaining_context: int):
+    params = sampling_params(req, remaining_context)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured.spec)
+    return params
 
 
 async def _merged(streams: list[DeltaStream]):
@@ -179,6 +192,27 @@ def _combined(bodies: list[dict]) -> dict:
                           sum(b["usage"]["completion_tokens"] for b in bodies),
                           sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies))
     return body
+
+
+async def _sse_tools(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools):
+    """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream)."""
+    parser = tool_parser.ToolStream(tools)
+    async with stream:
+        yield sse(shaper.role_chunk(include_usage))
+        async for delta in stream:
+            pieces = parser.feed(delta.text)
+            if delta.finished:
+                pieces += parser.finish()
+            for piece in pieces:
+                yield sse(shaper.choice_chunk(piece, None, include_usage))
+            if delta.finished:
+                reason = tool_parser.finish_reason(delta.finish_reason, tools, parser.calls)
+                yield sse(shaper.choice_chunk({}, reason, include_usage))
+        if include_usage:
+            last = stream.last
+            yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
+                                         stream.num_tokens, last.num_cached_tokens))
+        yield SSE_DONE
 
 
 # Module functions the routes call are defined above the class: Serve copies the class when
@@ -321,9 +355,24 @@ class Ingress(GrpcService, HealthService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
-            prompts = _prompts(req, kind)
+            structured = parse_structured(req)
+            tools = parse_tools(req) if kind == "chat" else None
+            if tools is not None and tools.parses_output and req.stream and req.logprobs:
+                raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are "
+                               "not token-aligned); ask without stream", param="logprobs")
+            if tools is not None and tools.parses_output and req.n > 1:
+                raise ApiError(400, "n must be 1 with tools (each answer is parsed for tool calls "
+                               "on its own)", param="n")
+            if tools is not None and (forced := forced_structure(tools)) is not None:
+                if structured is not None:
+                    raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "
+                                   f"{structured.param} cannot be given with it", param=structured.param)
+                structured = forced
+            if structured is not None:
+                await self.frontend.check_grammar(structured.spec, structured.param)
+            prompts = _prompts(req, kind, tools, self.frontend.tokenizer)
             admitted = [await self.pipeline.admit(GenerationRequest(
-                prompt, functools.partial(sampling_params, req),
+                prompt, functools.partial(_sampling_params, req, structured),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
@@ -344,21 +393,34 @@ class Ingress(GrpcService, HealthService):
                     for stream in streams:
                         await stream.aclose()
                     raise
-                choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
-                           for i, echo in enumerate(echoes)]
-                return SseResponse(streams, _sse(streams, choices, shaper, include_usage,
-                                                 bool(options.get("continuous_usage_stats"))),
-                                   media_type="text/event-stream",
+                if tools is not None:  # chat: one prompt, n = 1
+                    body = _sse_tools(streams[0], shaper, include_usage, tools)
+                else:
+                    choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
+                               for i, echo in enumerate(echoes)]
+                    body = _sse(streams, choices, shaper, include_usage,
+                                bool(options.get("continuous_usage_stats")))
+                return SseResponse(streams, body, media_type="text/event-stream",
                                    headers={"Cache-Control": "no-cache"})
             if len(admitted) == 1:
                 results = [await self.pipeline.whole(admitted[0])]
             else:
                 results = await self._whole_of_several(admitted)
-            return _combined([
+            body = _combined([
                 whole_body(shaper, result, one.routed.sampling_params, kind, echo,
                            result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
                            result.last.num_cached_tokens)
                 for one, result, echo in zip(admitted, results, echoes)])
+            if tools is not None and tools.parses_output:
+                result = results[0]
+                content, calls = tool_parser.parse_output(result.text, tools)
+                choice = body["choices"][0]
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                choice["finish_reason"] = tool_parser.finish_reason(result.last.finish_reason, tools,
+                                                                    calls)
+            return body
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 

@@ -64,12 +64,23 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
+    # Structured outputs (cluster/structured_request.py reads them; at most one per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls made (cluster/tool_calls.py)
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -78,6 +89,9 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's (cluster/openai_echo.py)
+    tools: list[dict[str, Any]] | None = None  # cluster/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request):
@@ -89,8 +103,8 @@ class CompletionRequest(_Request):
 
 
 UNSUPPORTED = {
-    "tools": "tool calls are not supported",
     "functions": "function calls are not supported",
+    "function_call": "function_call is not supported; use tools and tool_choice",
     "suffix": "suffix is not supported",
 }
 

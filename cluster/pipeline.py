@@ -44,6 +44,7 @@ class Prompt:
     messages: list[dict] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    tools: list[dict] | None = None  # for a chat template that renders tools (cluster/tool_calls.py)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class RequestPipeline:
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.messages is not None:
-            return await self.frontend.encode_chat(prompt.messages)
+            return await self.frontend.encode_chat(prompt.messages, prompt.tools)
         if prompt.text is not None:
             return await self.frontend.encode_text(prompt.text)
         return list(prompt.token_ids or [])

@@ -98,6 +98,8 @@ class LLM:
                                           stream_text=_needs_text_on_the_step(p)))
         for r in requests:
             self.engine.validate_request(r)
+            if r.sampling_params.structured_outputs is not None:  # a bad schema raises here
+                self.engine.grammar_compiler.compile(r.sampling_params.structured_outputs)
         outputs: dict[str, RequestOutput] = {}
         sequences: dict[tuple[str, int], RequestOutput] = {}
         for r in requests:

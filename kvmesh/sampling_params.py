@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from kvmesh.structured_outputs import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -41,6 +43,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar): the sampler masks every
+    # token the grammar does not allow (worker/grammar.py); the request ends when it is complete.
+    structured_outputs: StructuredOutputs | None = None
 
     MAX_SEQUENCES = 32
     MAX_STOP_STRINGS = 64
@@ -114,6 +119,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 fail(name, "in [-2, 2]", value)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                fail("structured_outputs", "a kvmesh.StructuredOutputs", self.structured_outputs)
+            self.structured_outputs.validate()
+            if self.num_sequences > 1:  # each sequence would need its own grammar state
+                fail("n" if self.best_of is None else "best_of", "1 with structured_outputs",
+                     self.num_sequences)
 
     @property
     def num_sequences(self) -> int:

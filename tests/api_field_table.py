@@ -9,8 +9,6 @@ Outcomes:
   and the server's output equals the offline engine's with the same SamplingParams;
 - "check": honoured as the named check asserts (the integration test's CHECKS);
 - "refused": 400 naming the field;
-- "refused:apistruct": refused for now, until issue 14 points 1-2 (structured outputs, tools)
-  land: flip the row then.
 """
 
 from dataclasses import dataclass, field
@@ -64,13 +62,16 @@ ROWS = [
     Row("max_completion_tokens", 3, "check", (CHAT,), source="openai"),
     Row("logprobs", True, "check", (CHAT,), source="openai"),
     Row("top_logprobs", 2, "check", (CHAT,), base={"logprobs": True}, source="openai"),
-    Row("response_format", {"type": "json_object"}, "refused:apistruct", source="openai"),
-    Row("tools", [{"type": "function", "function": {"name": "f"}}], "refused:apistruct", (CHAT,),
+    Row("response_format", {"type": "json_object"}, "check", source="openai"),
+    Row("tools", [{"type": "function", "function": {"name": "f"}}], "check", (CHAT,),
+        base={"tool_choice": "required"}, source="openai"),
+    Row("tool_choice", "required", "check", (CHAT,), base={"tools": [{"type": "function", "function": {"name": "f"}}]},
         source="openai"),
-    Row("tool_choice", "required", "refused:apistruct", (CHAT,), source="openai"),
-    Row("parallel_tool_calls", False, "refused:apistruct", (CHAT,), source="openai"),
-    Row("functions", [{"name": "f"}], "refused:apistruct", (CHAT,), source="openai"),
-    Row("function_call", "auto", "refused:apistruct", (CHAT,), source="openai"),
+    Row("parallel_tool_calls", False, "check", (CHAT,),
+        base={"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        source="openai"),
+    Row("functions", [{"name": "f"}], "refused", (CHAT,), source="openai"),
+    Row("function_call", "auto", "refused", (CHAT,), source="openai"),
     Row("modalities", ["text", "audio"], "refused", (CHAT,), source="openai"),
     Row("audio", {"voice": "alloy", "format": "wav"}, "refused", (CHAT,), source="openai"),
     Row("store", True, "refused", (CHAT,), source="openai"),
@@ -104,14 +105,14 @@ ROWS = [
     Row("vllm_xargs", {"k": 1}, "refused"),
     Row("add_special_tokens", True, "refused"),
     Row("prompt_logprobs", 1, "check"),
-    Row("structured_outputs", {"choice": ["a", "b"]}, "refused:apistruct"),
-    Row("guided_json", {"type": "object"}, "refused:apistruct"),
-    Row("guided_regex", "a+", "refused:apistruct"),
-    Row("guided_choice", ["a", "b"], "refused:apistruct"),
-    Row("guided_grammar", "root ::= \"a\"", "refused:apistruct"),
-    Row("guided_decoding_backend", "xgrammar", "refused:apistruct"),
-    Row("guided_whitespace_pattern", " ", "refused:apistruct"),
-    Row("structural_tag", "{}", "refused:apistruct"),
+    Row("structured_outputs", {"choice": ["a", "b"]}, "check"),
+    Row("guided_json", {"type": "object"}, "check"),
+    Row("guided_regex", "a+", "check"),
+    Row("guided_choice", ["a", "b"], "check"),
+    Row("guided_grammar", "root ::= \"a\"", "check"),
+    Row("guided_decoding_backend", "xgrammar", "check", base={"guided_choice": ["a", "b"]}),
+    Row("guided_whitespace_pattern", " ", "refused"),
+    Row("structural_tag", "{}", "refused"),
     # ---- vLLM's chat fields ----
     Row("echo", True, "refused", (CHAT,)),
     Row("add_generation_prompt", False, "refused", (CHAT,)),

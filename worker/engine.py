@@ -1,5 +1,6 @@
 """The engine core: synchronous and single-threaded. step() = schedule -> execute -> update."""
 
+import concurrent.futures
 import logging
 import random
 import time
@@ -53,6 +54,9 @@ class Engine:
         self._in_flight = None  # (SchedulerOutput, PendingSample | None) launched, not yet processed
         self._finished_out: list[TokenDelta] = []  # deltas of aborted/failed requests, returned by the next step
         self.epoch = random.SystemRandom().getrandbits(62)
+        # Structured outputs: requests whose grammar is compiling (off the step path), in order.
+        self._grammars = None  # worker.grammar.GrammarCompiler, made on first use
+        self._awaiting_grammar: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self._next_seq = 0
 
     # ---- sizing ------------------------------------------------------------------------------
@@ -136,6 +140,10 @@ class Engine:
         if req.sampling_params.prompt_logprobs is not None:
             req.prompt_logprobs = new_prompt_logprobs()
         self.requests[req.request_id] = req
+        if req.sampling_params.structured_outputs is not None:  # queued once its grammar compiles
+            future = self.grammar_compiler.submit(req.sampling_params.structured_outputs)
+            self._awaiting_grammar[req.request_id] = (req, future)
+            return
         self.scheduler.add(req)
 
     def _new_sequence(self, request: EngineRequest, index: int) -> Request:
@@ -152,17 +160,51 @@ class Engine:
                                                      params.include_stop_str_in_output)
         return req
 
+    @property
+    def grammar_compiler(self):
+        if self._grammars is None:
+            from kvmesh.worker.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             stop_token_ids=sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _admit_compiled(self) -> list[TokenDelta]:
+        """Queue the requests whose grammar has compiled; end those whose grammar did not. With
+        nothing else to run, wait a little for a compile rather than spin."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            concurrent.futures.wait([f for _, f in self._awaiting_grammar.values()], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        deltas = []
+        for request_id, (req, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            if future.exception() is not None:
+                self._finish(req, "error")
+                delta = self._delta(req, [], None)
+                delta.error = f"invalid_request: {future.exception()}"
+                deltas.append(delta)
+                continue
+            req.grammar = self.grammar_compiler.matcher(future.result())
+            self.scheduler.add(req)
+        return deltas
+
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None:
             return
+        self._awaiting_grammar.pop(request_id, None)
         aborted = [m for m in req.group or [req] if not m.is_finished]  # forked or not
         for member in aborted:
             self._finish(member, "abort")
         self._finished_out.append(self._delta(aborted[-1], [], None))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._finished_out) or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or bool(self._finished_out)
+                or self._in_flight is not None or bool(self._awaiting_grammar))
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -171,8 +213,10 @@ class Engine:
         N-1's sampled tokens are processed on the host (they feed step N on the device), so the
         host's bookkeeping overlaps the GPU's work; outputs then arrive one call later."""
         deltas, self._finished_out = self._finished_out, []
+        deltas.extend(self._admit_compiled())
+        # A grammar's mask needs the previous token accepted, as penalties need it counted.
         overlap = self.async_scheduling and not any(
-            r.sampling_params.uses_penalties for r in self.scheduler.running)
+            r.sampling_params.uses_penalties or r.grammar is not None for r in self.scheduler.running)
         if self._in_flight is not None and not overlap:
             deltas.extend(self._process(*self._in_flight))
             self._in_flight = None
@@ -214,6 +258,15 @@ class Engine:
                     continue  # aborted, or ended by an earlier token while this one was in flight
                 token = result.token_ids[i]
                 req.resolve_placeholder(token)
+                if req.grammar is not None and not req.grammar.accept(token):
+                    # a masked sampler cannot pick a refused token; if it ever does, say so
+                    logger.error("request %s: its grammar refused token %d", req.request_id, token)
+                    self._finish(req, "error")
+                    deltas.append(self._delta(req, [token], None))
+                    # the request's grammar led where no token fits: a 400 if nothing was sent yet
+                    deltas[-1].error = (f"invalid_request: structured_outputs: the grammar allows no "
+                                        f"token after {req.num_resolved_output_tokens - 1} tokens")
+                    continue
                 if req.first_token_time is None:
                     req.first_token_time = now
                 logprob = top = None
@@ -244,6 +297,8 @@ class Engine:
                 if detok is not None and params.include_stop_str_in_output:
                     detok.add_tokens([token], check_stop=False)
                 return "stop"
+        if req.grammar is not None and req.grammar.is_terminated:
+            return "stop"  # the grammar is complete: nothing more may follow, even with ignore_eos
         stop = detok.add_tokens([token], check_stop=not before_min) if detok is not None else None
         if stop is not None:
             req.stop_reason = stop

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.grammar import apply_grammar_masks
 from kvmesh.worker.host_to_device import to_device
 
 
@@ -147,6 +148,7 @@ class Sampler:
         for i, req in enumerate(requests):
             if params[i].uses_penalties:
                 logits[i] = apply_penalties(logits[i].clone(), params[i], req.prompt_token_ids, req.output_token_ids)
+        apply_grammar_masks(logits, requests, logits.shape[-1])  # structured outputs' rows only
         tokens = logits.argmax(dim=-1)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -4,6 +4,7 @@ test_cluster_serving.py's walk uses, and the checks of the rows whose outcome is
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -167,7 +168,39 @@ def check_prompt_logprobs(url, kind, row):
     assert all(len(s) >= 1 for s in scores[1:])
 
 
+def check_structured(url, kind, row):
+    """The output follows the constraint (the tiny random model says anything otherwise)."""
+    response = answer(url, kind, max_tokens=40, **row.base, **{row.field: row.value})
+    text = outcome(response, kind)[0]
+    spec = row.value if row.field != "guided_decoding_backend" else row.base["guided_choice"]
+    if row.field in ("guided_choice", "guided_decoding_backend") or (
+            row.field == "structured_outputs" and "choice" in spec):
+        choices = spec if isinstance(spec, list) else spec["choice"]
+        assert text in choices, text
+    elif row.field == "guided_regex":
+        assert re.fullmatch(row.value, text), text
+    elif row.field == "guided_grammar":
+        assert text == "a", text
+    else:  # JSON: response_format json_object, guided_json {"type": "object"}
+        assert text.lstrip().startswith("{"), text
+        assert text != outcome(answer(url, kind, max_tokens=40), kind)[0]
+
+
+def check_tool_call(url, kind, row):
+    """A required call of the one tool: the answer is a call of f, not prose."""
+    response = answer(url, kind, max_tokens=64, **row.base, **{row.field: row.value})
+    message = response["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    assert [c["function"]["name"] for c in calls][:1] == ["f"], message
+    if row.field == "parallel_tool_calls":
+        assert len(calls) == 1
+
+
 CHECKS = {
+    "response_format": check_structured, "structured_outputs": check_structured,
+    "guided_json": check_structured, "guided_regex": check_structured, "guided_choice": check_structured,
+    "guided_grammar": check_structured, "guided_decoding_backend": check_structured,
+    "tools": check_tool_call, "tool_choice": check_tool_call, "parallel_tool_calls": check_tool_call,
     "n": check_n, "best_of": check_best_of, "echo": check_echo, "prompt_logprobs": check_prompt_logprobs,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,

@@ -193,7 +193,7 @@ BAD_REQUESTS = [
     ({"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
-    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
     ({"messages": MESSAGES, "model": "no-such-model"}, 404, "model"),
     # strict types: a number is a JSON number

@@ -214,3 +214,24 @@ def test_an_n3_request_streams_every_sequence_and_counts_their_tokens(mode):
         assert loop.stats.generation_tokens == 15 and loop.stats.finished == 1
         assert loop.num_streams == 0
     run_with_loop(mode, body)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_structured_outputs_cross_the_transport_and_compile_on_the_engine_side(mode):
+    """The spec travels as plain data (pickled to a child process); the engine compiles it off
+    its step and masks the row; one that does not compile ends its request as an invalid one."""
+    from kvmesh.structured_outputs import StructuredOutputs
+
+    async def body(loop):
+        choice = SamplingParams(max_tokens=20, temperature=1.0, seed=5,
+                                structured_outputs=StructuredOutputs(choice=["alpha", "beta"]))
+        plain = loop.submit(EngineRequest("plain", list(range(30)), GREEDY))
+        deltas = await drain(loop.submit(EngineRequest("c", list(range(40)), choice)))
+        assert "".join(d.text for d in deltas) in ("alpha", "beta")
+        assert deltas[-1].finish_reason == "stop"
+        assert (await drain(plain))[-1].finish_reason == "length"
+        bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="(a"))
+        refused = await drain(loop.submit(EngineRequest("bad", list(range(10)), bad)))
+        assert refused[-1].finish_reason == "error"
+        assert refused[-1].error.startswith("invalid_request: structured_outputs.regex")
+    run_with_loop(mode, body)
