@@ -12,12 +12,13 @@ from ray.serve.config import RequestRouterConfig
 
 from kvmesh.cluster.autoscaling import serve_autoscaling_config
 from kvmesh.cluster.ingress import Ingress
+from kvmesh.cluster.grpc_health import servicer_functions
 from kvmesh.cluster.worker import KVWorker
 from kvmesh.serve_config import ServeConfig, parse_config
 
 WORKER_DEPLOYMENT = "KVWorker"
 INGRESS_DEPLOYMENT = "Ingress"
-GRPC_SERVICER_FUNCTIONS = ["kvmesh.proto.kvmesh_pb2_grpc.add_GenerationServicer_to_server"]
+GRPC_SERVICER_FUNCTIONS = servicer_functions(reflection=True)
 ROUTER_CLASS = "kvmesh.cluster.request_router:KVAwareRequestRouter"
 
 
@@ -86,6 +87,6 @@ def serve_config_document(cfg: ServeConfig) -> dict:
     }
     if cfg.server.grpc_port:  # 0 = no gRPC
         doc["grpc_options"] = {"port": cfg.server.grpc_port,
-                               "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS,
+                               "grpc_servicer_functions": servicer_functions(cfg.server.grpc_reflection),
                                "enable_reflection": cfg.server.grpc_reflection}
     return doc

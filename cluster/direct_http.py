@@ -4,6 +4,9 @@ the replicas of a node), so a request and its streamed chunks skip Serve's HTTP 
 costs as much CPU per chunk as the ingress itself (docs/PERF.md "Serving cluster"). Serve's proxy
 port keeps serving the same app beside it.
 
+It has the request-head bounds of Serve's proxy (cluster/http_protocol.py) and its stream idle
+timeout (cluster/stream_idle_timeout.py's middleware around the app).
+
 The routes are the Ingress class's methods; Serve's class-based view finds the instance through the
 replica context, which this process has, so they run unchanged.
 """
@@ -40,6 +43,10 @@ async def serve_direct(app, sock: socket.socket, server) -> None:
 
     from kvmesh.cluster.http_protocol import bounded_protocol
 
+    if server.stream_idle_timeout_s > 0:
+        from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout
+
+        app = StreamIdleTimeout(app, server.stream_idle_timeout_s)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             http=bounded_protocol(server.max_header_bytes, server.header_timeout_s),
                             timeout_keep_alive=server.keep_alive_timeout_s)

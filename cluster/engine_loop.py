@@ -156,10 +156,11 @@ class EngineLoop:
             out = self._streams.get(d.request_id)
             if d.first_token_time is not None and d.num_output_tokens == len(d.token_ids) and d.token_ids:
                 self._ttfts.append((now, max(0.0, d.first_token_time - d.arrival_time)))
+            if d.finish_reason is not None:  # a sequence's end (n > 1: each of them)
+                self.stats.generation_tokens += d.num_output_tokens
             if d.finished:
                 self._streams.pop(d.request_id, None)
                 self.stats.finished += 1
-                self.stats.generation_tokens += d.num_output_tokens
                 if d.num_output_tokens or d.finish_reason != "error":
                     self.stats.prompt_tokens += d.num_prompt_tokens
                     self.stats.cached_tokens += d.num_cached_tokens

@@ -11,6 +11,7 @@ client's tokens, never waits for it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,7 @@ class Frontend:
         # One thread: a tokenizer is not safe to call from two at once, and small prompts do not
         # queue behind large ones (they stay on the loop).
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
+        self._grammars = None  # worker.grammar.GrammarCompiler, made on the first structured request
 
     # ---- model ---------------------------------------------------------------------------------
 
@@ -82,20 +84,29 @@ class Frontend:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
-        num_chars = sum(len(m["content"]) for m in messages)
+        num_chars = sum(len(m["content"] or "") for m in messages)
+        if tools:
+            num_chars += len(json.dumps(tools))
         await self._check_chars(num_chars, "messages")
         # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
         return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
-                                    self.config.server.special_tokens_in_content)
+                                    self.config.server.special_tokens_in_content, tools=tools)
 
-    async def encode_text(self, text: str) -> list[int]:
+    async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         await self._check_chars(len(text), "prompt")
         return await self._tokenize(len(text), self.tokenizer.encode, text,
-                                    add_special_tokens=False)  # as kvmesh.LLM.generate
+                                    add_special_tokens=add_special_tokens)  # False: as kvmesh.LLM.generate
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (special tokens kept, as vLLM's /detokenize); off the loop when long."""
+        if len(token_ids) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.decode(token_ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, token_ids)
 
     async def max_prompt_chars(self) -> int:
         limits = self.config.limits
@@ -145,6 +156,24 @@ class Frontend:
             hash_block_size=info.block_size,
             session_key=session_key, arrival_time=arrival or time.time())
 
+    # ---- structured outputs ------------------------------------------------------------------
+
+    async def check_grammar(self, spec, param: str) -> None:
+        """ApiError(400) naming `param` if the spec does not compile. Compiled on the grammar
+        compiler's thread (never on the event loop) and cached, as the engine compiles it again."""
+        from kvmesh.worker.grammar import GrammarError
+
+        if self._grammars is None:
+            from kvmesh.worker.grammar import GrammarCompiler
+
+            vocab = (await self.model_info()).vocab_size or len(self.tokenizer)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab)
+        try:
+            await asyncio.wrap_future(self._grammars.submit(spec))
+        except GrammarError as e:
+            message = str(e).split(": ", 1)[-1]
+            raise ApiError(400, f"{param}: {message}", param=param) from None
+
     # ---- results -------------------------------------------------------------------------------
 
     @staticmethod
@@ -160,10 +189,18 @@ class Frontend:
         self.metrics.observe_status(self.model_name, status)
         if last is None or status != 200:
             return
+        end = time.time()
+        prompt_tokens = last.num_prompt_tokens or routed.num_prompt_tokens
         self.metrics.observe_request(
-            self.model_name, routed.arrival_time, first_token, time.time(),
-            last.num_prompt_tokens or routed.num_prompt_tokens, num_output_tokens,
-            last.num_cached_tokens)
+            self.model_name, routed.arrival_time, first_token, end,
+            prompt_tokens, num_output_tokens, last.num_cached_tokens)
+        self.metrics.observe_engine_times(self.model_name, last, first_token, end,
+                                          num_output_tokens, prompt_tokens,
+                                          last.num_cached_tokens, routed.arrival_time)
+
+    def account_abort(self, routed: RoutedRequest, num_output_tokens: int) -> None:
+        """A request that ended before it finished: its client went away or aborted it."""
+        self.metrics.observe_abort(self.model_name, routed.num_prompt_tokens, num_output_tokens)
 
     def count_retry(self) -> None:
         """A request sent again after its worker died (counted whatever the request's end)."""

@@ -101,7 +101,8 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
 class Collected:
     """A whole (non-streaming) completion gathered from its deltas."""
 
-    def __init__(self):
+    def __init__(self, per_sequence: bool = True):
+        self.per_sequence = per_sequence  # also gather each sequence's deltas apart (n > 1)
         self.reset()
 
     def reset(self):
@@ -110,6 +111,8 @@ class Collected:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict] = []
         self.last: TokenDelta | None = None
+        self.prompt_logprobs = None  # PromptLogprobs, with SamplingParams.prompt_logprobs
+        self.sequences: dict[int, Collected] = {}  # by TokenDelta.index (n > 1: one per choice)
         self.first_token_time: float | None = None  # the worker's clock
         self.first_token_seen: float | None = None  # when it reached the ingress
 
@@ -120,6 +123,13 @@ class Collected:
             self.logprobs.extend(delta.logprobs)
         if delta.top_logprobs:
             self.top_logprobs.extend(delta.top_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if self.per_sequence:
+            sequence = self.sequences.get(delta.index)
+            if sequence is None:
+                sequence = self.sequences[delta.index] = Collected(per_sequence=False)
+            sequence.add(delta)
         if delta.first_token_time is not None and self.first_token_time is None:
             self.first_token_time = delta.first_token_time
         if delta.token_ids and self.first_token_seen is None:

@@ -55,10 +55,17 @@ def _grpc_error(e: ApiError, grpc_context) -> Exception:
 
 def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -> SamplingParams:
     kwargs = {"max_tokens": req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
-              "stop": list(req.stop), "ignore_eos": req.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+              "stop": list(req.stop), "ignore_eos": req.ignore_eos,
+              "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids),
+              "include_stop_str_in_output": req.include_stop_str_in_output,
+              "logit_bias": dict(req.logit_bias) or None}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "skip_special_tokens", "n", "best_of"):
         if req.HasField(name):
             kwargs[name] = getattr(req, name)
+    if req.HasField("best_of") and req.best_of != kwargs.get("n", 1):
+        raise ApiError(400, "best_of must equal n on Generate: it streams, and the best sequences "
+                       "are known only when all have finished (use /v1/completions)", param="best_of")
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
@@ -102,7 +109,12 @@ def _label(request: pb.GenerateRequest, engine_id: str) -> str:
 def _response(delta: TokenDelta, label: str, stream: DeltaStream) -> pb.GenerateResponse:
     out = pb.GenerateResponse(request_id=label, token_ids=delta.token_ids, text=delta.text,
                               finish_reason=delta.finish_reason or "",
-                              logprobs=delta.logprobs or [], error=delta.error or "")
+                              logprobs=delta.logprobs or [], error=delta.error or "",
+                              index=delta.index)
+    if isinstance(delta.stop_reason, str):
+        out.stop_string = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        out.stop_token_id = delta.stop_reason
     if delta.finished:
         out.usage.CopyFrom(pb.Usage(
             prompt_tokens=delta.num_prompt_tokens or stream.routed.num_prompt_tokens,

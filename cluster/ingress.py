@@ -9,6 +9,8 @@ disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -22,15 +24,23 @@ from kvmesh.cluster import process_metrics
 from kvmesh.cluster.auth import ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
+from kvmesh.cluster.generation import Collected
+from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
 from kvmesh.cluster.status import cluster_health, worker_rows
+from kvmesh.cluster.structured_request import parse_structured
+from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
+from kvmesh.cluster import tool_parser
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
-                                            parse_request, sampling_params)
+                                            parse_request, sampling_params, usage)
+from kvmesh.cluster.openai_choices import StreamChoices, whole_body
+from kvmesh.cluster.openai_echo import echo_for
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
+from kvmesh.cluster import tokenize_api
 from kvmesh.serve_config import parse_config
 
 # FastAPI's own docs routes answer anyone: off here, and served by the ingress below (behind the
@@ -53,33 +63,151 @@ def _max_tokens_param(req) -> str:
             else "max_tokens")
 
 
-def _prompt(req, kind: str) -> Prompt:
+# Prompts in one completions request (each is a choice, answered with its index, as vLLM).
+MAX_PROMPTS_PER_REQUEST = 64
+
+
+def _prompts(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
+    """The request's prompts: one for chat (its tools rendered: cluster/tool_calls.py); for
+    completions a string, a list of token ids, or a list of either (one choice each)."""
     if kind == "chat":
-        return Prompt("messages", messages=chat_prompt_text(req.messages))
+        messages, template_tools = render_chat(req.messages, chat_prompt_text(req.messages), tools,
+                                               tokenizer)
+        return [Prompt("messages", messages=messages, tools=template_tools)]
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "prompt: one prompt per request (batches are not supported)",
-                           param="prompt")
-        prompt = prompt[0]
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [_one_prompt(prompt, "prompt")]
+    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+        raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; the limit is "
+                       f"{MAX_PROMPTS_PER_REQUEST}", param="prompt")
+    if len(prompt) == 1:
+        return [_one_prompt(prompt[0], "prompt")]
+    return [_one_prompt(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+
+
+def _one_prompt(prompt, param: str) -> Prompt:
     if isinstance(prompt, str):
-        return Prompt("prompt", text=prompt)
-    return Prompt("prompt", token_ids=list(prompt))
+        return Prompt(param, text=prompt)
+    return Prompt(param, token_ids=list(prompt))
 
 
-async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
-    """The SSE body of a stream; when the client goes, Starlette closes this generator and the
-    stream with it (which aborts the request on the worker)."""
+def _sampling_params(req, structured, remaining_context: int):
+    params = sampling_params(req, remaining_context)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured.spec)
+    return params
+
+
+async def _merged(streams: list[DeltaStream]):
+    """(choice index, delta) of every stream as they come."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    iters = [s.__aiter__() for s in streams]
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.get):
+                i = pending.pop(future)
+                try:
+                    delta = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, delta
+                pending[asyncio.ensure_future(iters[i].__anext__())] = i
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _sse(streams: list[DeltaStream], choices: list[StreamChoices], shaper: Shaper,
+               include_usage: bool, continuous_usage: bool = False):
+    """The SSE body of a request's streams (one per prompt, each with its choices: n > 1 and echo,
+    cluster/openai_choices.py); closing it closes the streams (which aborts the requests on the
+    workers): SseResponse does so however the response ends."""
+    async with contextlib.AsyncExitStack() as stack:
+        for stream in streams:
+            await stack.enter_async_context(stream)
+        for prompt_choices in choices:
+            for role in prompt_choices.role_chunks():
+                yield sse(role)
+        counts = [0] * len(streams)
+        # closed before the streams (the stack unwinds in reverse): its reads in flight are
+        # cancelled first, so closing each stream then finds none running
+        merged = await stack.enter_async_context(contextlib.aclosing(_merged(streams)))
+        async for i, delta in merged:
+            counts[i] += len(delta.token_ids)
+            so_far = (usage(_prompt_tokens(streams[i], delta), counts[i], delta.num_cached_tokens)
+                      if continuous_usage else None)
+            for chunk in choices[i].chunks(delta, so_far):
+                yield sse(chunk)
+        if include_usage:
+            yield sse(shaper.usage_chunk(sum(_prompt_tokens(s, s.last) for s in streams),
+                                         sum(s.num_tokens for s in streams),
+                                         sum(s.last.num_cached_tokens for s in streams)))
+        yield SSE_DONE
+
+
+class SseResponse(StreamingResponse):
+    """A StreamingResponse that closes its body and the worker stream when it ends, however it
+    ends. Starlette 1.x does not close the body iterator: when a client goes while the response
+    waits in `send` (its socket full: a client that stopped reading, cut by the stream idle
+    timeout), Starlette cancels the response there, outside the generator, which stays suspended
+    at a `yield` holding the worker stream open until the garbage collector finalizes it, which
+    Serve's frozen, slowed GC does late or never: the engine generated on (70% of unread
+    streams' tokens on the direct port, and 36 s after clients closed; docs/RELIABILITY.md
+    "Backpressure"). On Serve's proxy path the ingress's `send` never waits, so the cancel lands
+    inside the generator instead."""
+
+    def __init__(self, streams: list[DeltaStream], body, **kwargs):
+        super().__init__(body, **kwargs)
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            for stream in self._streams:  # also when the body never started
+                await stream.aclose()
+
+
+def _prompt_tokens(stream: DeltaStream, delta) -> int:
+    return delta.num_prompt_tokens or stream.routed.num_prompt_tokens
+
+
+def _combined(bodies: list[dict]) -> dict:
+    """One response of several prompts' bodies: their choices in order, renumbered (prompt i's
+    choice j is i * n + j, as vLLM numbers them), their usage summed."""
+    body = bodies[0]
+    if len(bodies) == 1:
+        return body
+    body["choices"] = [choice for b in bodies for choice in b["choices"]]
+    for index, choice in enumerate(body["choices"]):
+        choice["index"] = index
+    body["usage"] = usage(sum(b["usage"]["prompt_tokens"] for b in bodies),
+                          sum(b["usage"]["completion_tokens"] for b in bodies),
+                          sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies))
+    return body
+
+
+async def _sse_tools(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools):
+    """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream)."""
+    parser = tool_parser.ToolStream(tools)
     async with stream:
-        role = shaper.role_chunk(include_usage)
-        if role is not None:
-            yield sse(role)
-        offset = 0
+        yield sse(shaper.role_chunk(include_usage))
         async for delta in stream:
-            yield sse(shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs,
-                                         delta.top_logprobs, delta.finish_reason, offset,
-                                         include_usage))
-            offset += len(delta.text)
+            pieces = parser.feed(delta.text)
+            if delta.finished:
+                pieces += parser.finish()
+            for piece in pieces:
+                yield sse(shaper.choice_chunk(piece, None, include_usage))
+            if delta.finished:
+                reason = tool_parser.finish_reason(delta.finish_reason, tools, parser.calls)
+                yield sse(shaper.choice_chunk({}, reason, include_usage))
         if include_usage:
             last = stream.last
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
@@ -90,7 +218,7 @@ async def _sse(stream: DeltaStream, shaper: Shaper, include_usage: bool):
 # Module functions the routes call are defined above the class: Serve copies the class when
 # `serve.ingress` decorates it, with the names the module holds at that point.
 @serve.ingress(app)
-class Ingress(GrpcService):
+class Ingress(GrpcService, HealthService):
     def __init__(self, workers, config: dict):
         self.config = parse_config(config)
         self.frontend = Frontend(self.config, workers)
@@ -133,6 +261,49 @@ class Ingress(GrpcService):
         return {"object": "list", "data": [{
             "id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
+
+    @app.get("/version")
+    async def version(self, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        from kvmesh import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt or chat messages, tokenized as the generation endpoints do."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            req = tokenize_api.parse(await self._json(request), tokenize_api.TokenizeCompletion)
+            self.frontend.check_model(req.model)
+            if isinstance(req, tokenize_api.TokenizeChat):
+                ids = await self.frontend.encode_chat(chat_prompt_text(req.messages))
+            else:
+                ids = await self.frontend.encode_text(req.prompt, req.add_special_tokens)
+            info = await self.frontend.model_info()
+            strs = (self.frontend.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs
+                    else None)
+            return tokenize_api.tokenize_response(ids, info.max_model_len, strs)
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids -> {"prompt": text}."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            req = tokenize_api.parse(await self._json(request), tokenize_api.Detokenize)
+            self.frontend.check_model(req.model)
+            info = await self.frontend.model_info()
+            vocab = info.vocab_size or len(self.frontend.tokenizer)
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"tokens must be token ids in [0, {vocab}), got {bad[0]}",
+                               param="tokens")
+            return {"prompt": await self.frontend.decode(req.tokens)}
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
 
     @app.get("/v1/kvmesh/workers")
     async def workers(self, request: Request):
@@ -184,31 +355,101 @@ class Ingress(GrpcService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             req = await self._parse(request, kind)
-            admitted = await self.pipeline.admit(GenerationRequest(
-                _prompt(req, kind), functools.partial(sampling_params, req),
+            structured = parse_structured(req)
+            tools = parse_tools(req) if kind == "chat" else None
+            if tools is not None and tools.parses_output and req.stream and req.logprobs:
+                raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are "
+                               "not token-aligned); ask without stream", param="logprobs")
+            if tools is not None and tools.parses_output and req.n > 1:
+                raise ApiError(400, "n must be 1 with tools (each answer is parsed for tool calls "
+                               "on its own)", param="n")
+            if tools is not None and (forced := forced_structure(tools)) is not None:
+                if structured is not None:
+                    raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "
+                                   f"{structured.param} cannot be given with it", param=structured.param)
+                structured = forced
+            if structured is not None:
+                await self.frontend.check_grammar(structured.spec, structured.param)
+            prompts = _prompts(req, kind, tools, self.frontend.tokenizer)
+            admitted = [await self.pipeline.admit(GenerationRequest(
+                prompt, functools.partial(_sampling_params, req, structured),
                 max_tokens=getattr(req, _max_tokens_param(req)),
                 max_tokens_param=_max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
-                arrival=arrival))
+                arrival=arrival)) for prompt in prompts]
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
-                            admitted.routed.sampling_params.logprobs)
+                            admitted[0].routed.sampling_params.logprobs)
+            echoes = [echo_for(req, kind, prompt.text, one.routed.prompt_token_ids, self.frontend)
+                      for prompt, one in zip(prompts, admitted)]
             if req.stream:
-                include_usage = bool((req.stream_options or {}).get("include_usage"))
-                stream = await self.pipeline.stream(admitted)
-                return StreamingResponse(_sse(stream, shaper, include_usage),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            result = await self.pipeline.whole(admitted)
-            last = result.last
-            return shaper.full(result.text, result.token_ids, result.logprobs, result.top_logprobs,
-                               last.finish_reason,
-                               last.num_prompt_tokens or admitted.routed.num_prompt_tokens,
-                               last.num_cached_tokens)
+                options = req.stream_options or {}
+                include_usage = bool(options.get("include_usage"))
+                streams = []
+                try:
+                    for one in admitted:
+                        streams.append(await self.pipeline.stream(one))
+                except BaseException:
+                    for stream in streams:
+                        await stream.aclose()
+                    raise
+                if tools is not None:  # chat: one prompt, n = 1
+                    body = _sse_tools(streams[0], shaper, include_usage, tools)
+                else:
+                    choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
+                               for i, echo in enumerate(echoes)]
+                    body = _sse(streams, choices, shaper, include_usage,
+                                bool(options.get("continuous_usage_stats")))
+                return SseResponse(streams, body, media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache"})
+            if len(admitted) == 1:
+                results = [await self.pipeline.whole(admitted[0])]
+            else:
+                results = await self._whole_of_several(admitted)
+            body = _combined([
+                whole_body(shaper, result, one.routed.sampling_params, kind, echo,
+                           result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
+                           result.last.num_cached_tokens)
+                for one, result, echo in zip(admitted, results, echoes)])
+            if tools is not None and tools.parses_output:
+                result = results[0]
+                content, calls = tool_parser.parse_output(result.text, tools)
+                choice = body["choices"][0]
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                choice["finish_reason"] = tool_parser.finish_reason(result.last.finish_reason, tools,
+                                                                    calls)
+            return body
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 
+    async def _whole_of_several(self, admitted) -> list[Collected]:
+        """Several prompts' whole completions. Their worker calls are started one after the other
+        (each stream's first delta awaited), as a stream does: calls of one HTTP request started
+        at once share Serve's request context and one of them was never answered."""
+        streams = []
+        try:
+            for one in admitted:
+                streams.append(await self.pipeline.stream(one))
+            results = [Collected() for _ in streams]
+            async with contextlib.aclosing(_merged(streams)) as merged:
+                async for i, delta in merged:
+                    results[i].add(delta)
+            for result in results:
+                if result.last.finish_reason == "error":
+                    raise ApiError(503, result.last.error or "the request failed",
+                                   type="server_error", code="worker_failed", retry_after_s=1)
+            return results
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
     async def _parse(self, request: Request, kind: str):
+        return parse_request(await self._json(request),
+                             ChatCompletionRequest if kind == "chat" else CompletionRequest)
+
+    async def _json(self, request: Request):
         try:
             body = json.loads(await self.limits.read_body(request))
         except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
@@ -216,7 +457,7 @@ class Ingress(GrpcService):
         if (bad := lone_surrogate_path(body)) is not None:
             raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (not valid "
                            "Unicode text)", param=bad)
-        return parse_request(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        return body
 
     def _auth(self, request: Request, endpoint: str = "api") -> JSONResponse | None:
         try:

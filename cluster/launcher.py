@@ -6,7 +6,8 @@ On a local Ray bound to 127.0.0.1 every Ray listener is kept on loopback
 so a laptop or CI box is not asked for a third of its memory. A local Ray also gets Ray's token
 auth (cluster/ray_token.py) and the worker setup hook whose patches bind Serve's own servers to
 that address and bound what its proxies read (cluster/ray_patches.py; their settings travel in
-the environment Ray's processes inherit: listener_env).
+the environment Ray's processes inherit: listener_env). Joining a cluster (`--address`), the job's
+runtime_env carries the same hook and settings to the Serve processes it starts.
 """
 
 from __future__ import annotations
@@ -71,11 +72,16 @@ def start_ray(cfg: ServeConfig, address: str | None, out=sys.stdout) -> str:
             print(warning, file=out)
     import ray
 
-    if address is not None:
-        ray.init(address=address, namespace="serve", logging_level="WARNING")
-    else:
-        from kvmesh.cluster.ray_patches import HOOK
+    from kvmesh.cluster.ray_patches import HOOK
 
+    if address is not None:
+        # The Serve controller this job starts (when none runs yet), and through it the proxies and
+        # replicas, inherit the job's runtime_env: the hook and this config's settings. A
+        # controller already running keeps what its nodes' environment gives it (NODE_ENV in the
+        # node definitions of deploy/, the Helm chart and the images: cluster/ray_patches.py).
+        ray.init(address=address, namespace="serve", logging_level="WARNING",
+                 runtime_env={"worker_process_setup_hook": HOOK, "env_vars": listener_env(cfg)})
+    else:
         kwargs = dict(include_dashboard=False, namespace="serve", logging_level="WARNING",
                       runtime_env={"worker_process_setup_hook": HOOK},
                       object_store_memory=int(os.environ.get("KVMESH_OBJECT_STORE_BYTES",
@@ -98,11 +104,13 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from kvmesh.cluster.app import GRPC_SERVICER_FUNCTIONS, build_app
+    from kvmesh.cluster.app import build_app
+    from kvmesh.cluster.grpc_health import servicer_functions
 
     grpc = None
     if cfg.server.grpc_port:
-        grpc = gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS,
+        grpc = gRPCOptions(port=cfg.server.grpc_port,
+                           grpc_servicer_functions=servicer_functions(cfg.server.grpc_reflection),
                            enable_reflection=cfg.server.grpc_reflection)
     serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port,
                                          keep_alive_timeout_s=cfg.server.keep_alive_timeout_s),

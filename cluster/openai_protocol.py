@@ -1,8 +1,9 @@
 """OpenAI-compatible request parsing and response shapes (chat completions and completions).
 
 Requests are validated here, before anything reaches a worker: a bad field raises ApiError(400)
-naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI defines but kvmesh
-does not implement (n > 1, tools, ...) are rejected by name rather than ignored.
+naming it (`param`), the OpenAI error JSON is built by `error_body`. Fields OpenAI or vLLM define
+but kvmesh does not implement (tools, ...) are rejected by name rather than ignored, and so are
+unknown fields (api_fields.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvmesh.cluster.api_fields import CHAT, COMPLETION, STREAM_OPTIONS, check_fields
 from kvmesh.sampling_params import SamplingParams
 
 
@@ -35,9 +37,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Request(BaseModel):
-    # Unknown keys are ignored (clients send many optional ones); the unsupported ones that change
-    # the meaning of a request are listed in UNSUPPORTED and rejected. Strict: a number is a JSON
-    # number, never "10" or true (an integer is still a valid float).
+    # Keys that are not fields here are checked by api_fields.check_fields before validation:
+    # OpenAI's and vLLM's unimplemented fields and unknown keys are refused by name. Strict: a
+    # number is a JSON number, never "10" or true (an integer is still a valid float).
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
@@ -56,12 +58,29 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    # vLLM's sampling fields (kvmesh.SamplingParams says what each does)
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    # Structured outputs (cluster/structured_request.py reads them; at most one per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls made (cluster/tool_calls.py)
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -69,19 +88,23 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's (cluster/openai_echo.py)
+    tools: list[dict[str, Any]] | None = None  # cluster/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt leads the text (and its logprobs): cluster/openai_echo.py
+    prompt_logprobs: int | None = None  # vLLM's
+    best_of: int | None = None  # cluster/openai_choices.py
 
 
 UNSUPPORTED = {
-    "tools": "tool calls are not supported",
     "functions": "function calls are not supported",
-    "logit_bias": "logit_bias is not supported",
-    "best_of": "best_of is not supported",
+    "function_call": "function_call is not supported; use tools and tool_choice",
     "suffix": "suffix is not supported",
 }
 
@@ -89,6 +112,7 @@ UNSUPPORTED = {
 def parse_request(body: Any, cls: type[_Request]) -> _Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_fields(body, CHAT if cls is ChatCompletionRequest else COMPLETION, cls.model_fields)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
@@ -99,11 +123,39 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, why, param=name)
-    if req.n != 1:
-        raise ApiError(400, "n must be 1 (one completion per request)", param="n")
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    check_choices(body, req)
+    _check_stream_options(req)
     return req
+
+
+def check_choices(body: dict, req: _Request) -> None:
+    """n and best_of (cluster/openai_choices.py): best_of is a completions field, and picking the
+    best of several sequences needs them whole, so not with stream (as OpenAI and vLLM)."""
+    if isinstance(req, ChatCompletionRequest) and body.get("best_of") is not None:
+        raise ApiError(400, "best_of is a field of /v1/completions, not of chat completions",
+                       param="best_of")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and req.stream and best_of != req.n:
+        raise ApiError(400, "best_of cannot be used with stream: the best sequences are known only "
+                       "when all have finished", param="best_of")
+
+
+def _check_stream_options(req: _Request) -> None:
+    options = req.stream_options
+    if options is None:
+        return
+    if not req.stream:
+        raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise ApiError(400, f"stream_options.{key} is not a stream option (known: "
+                           f"{', '.join(STREAM_OPTIONS)})", param=f"stream_options.{key}")
+        if not isinstance(value, bool):
+            raise ApiError(400, f"stream_options.{key} must be a boolean",
+                           param=f"stream_options.{key}")
+    if options.get("continuous_usage_stats") and not options.get("include_usage"):
+        raise ApiError(400, "stream_options.continuous_usage_stats needs include_usage: true "
+                       "(as vLLM)", param="stream_options.continuous_usage_stats")
 
 
 def _field_path(body: Any, loc: tuple) -> str | None:
@@ -161,7 +213,11 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
     else:
         logprobs = req.logprobs
     kwargs = dict(max_tokens=max_tokens, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
-                  ignore_eos=req.ignore_eos)
+                  ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req),
+                  n=req.n, best_of=getattr(req, "best_of", None), min_tokens=req.min_tokens,
+                  stop_token_ids=req.stop_token_ids or [], logit_bias=_logit_bias(req.logit_bias),
+                  include_stop_str_in_output=req.include_stop_str_in_output,
+                  skip_special_tokens=req.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -177,6 +233,26 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
         elif name == "logprobs" and isinstance(req, ChatCompletionRequest):
             name = "top_logprobs"
         raise ApiError(400, message, param=name) from None
+
+
+def prompt_logprobs_asked(req: _Request) -> int | None:
+    """How many alternatives per prompt token the engine scores: vLLM's prompt_logprobs, and
+    `logprobs` of an echoed completion prompt (the larger)."""
+    asked = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        asked = req.logprobs if asked is None else max(asked, req.logprobs)
+    return asked
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias is keyed by token ids written as JSON strings."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers), "
+                           f"got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def new_id(prefix: str) -> str:

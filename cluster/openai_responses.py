@@ -64,15 +64,16 @@ class Shaper:
     # ---- whole responses ---------------------------------------------------------------------
 
     def full(self, text: str, token_ids, logprobs, tops, reason: str | None,
-             prompt_tokens: int, cached_tokens: int) -> dict:
+             prompt_tokens: int, cached_tokens: int, stop_reason: str | int | None = None) -> dict:
+        """stop_reason (vLLM's): the stop string or stop token id that ended it, else None."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": self._chat_logprobs(token_ids, logprobs, tops),
-                      "finish_reason": finish_reason(reason)}
+                      "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
         else:
             choice = {"index": 0, "text": text,
                       "logprobs": self._completion_logprobs(token_ids, logprobs, tops, 0),
-                      "finish_reason": finish_reason(reason)}
+                      "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
 
@@ -92,7 +93,10 @@ class Shaper:
                              "logprobs": None, "finish_reason": None}], None, include_usage)
 
     def delta_chunk(self, text: str, token_ids, logprobs, tops, reason: str | None,
-                    text_offset: int, include_usage: bool) -> dict:
+                    text_offset: int, include_usage: bool, stop_reason: str | int | None = None,
+                    usage_so_far: dict | None = None) -> dict:
+        """usage_so_far: the usage of the request up to this chunk (stream_options
+        continuous_usage_stats), else None."""
         if self.kind == "chat":
             delta = {"content": text} if text or reason is None else {}
             choice = {"index": 0, "delta": delta,
@@ -102,7 +106,13 @@ class Shaper:
             choice = {"index": 0, "text": text,
                       "logprobs": self._completion_logprobs(token_ids, logprobs, tops, text_offset),
                       "finish_reason": finish_reason(reason)}
-        return self._chunk([choice], None, include_usage)
+        choice["stop_reason"] = stop_reason
+        return self._chunk([choice], usage_so_far, include_usage)
+
+    def choice_chunk(self, delta: dict, reason: str | None, include_usage: bool) -> dict:
+        """A chat chunk with this delta (content and/or tool_calls), no logprobs."""
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": finish_reason(reason)}], None, include_usage)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens), True)

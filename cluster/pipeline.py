@@ -44,6 +44,7 @@ class Prompt:
     messages: list[dict] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    tools: list[dict] | None = None  # for a chat template that renders tools (cluster/tool_calls.py)
 
 
 @dataclass
@@ -107,6 +108,8 @@ class RequestPipeline:
         budget = self.limits.output_budget(request.max_tokens, context_left,
                                            request.max_tokens_param)
         params = request.sampling(budget)
+        if info.vocab_size is not None:
+            _check_token_ids(params, info.vocab_size)
         if params.max_tokens > context_left:
             raise ApiError(400, f"{request.max_tokens_param} is {params.max_tokens} but only "
                            f"{context_left} tokens of context are left after the prompt",
@@ -117,7 +120,7 @@ class RequestPipeline:
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.messages is not None:
-            return await self.frontend.encode_chat(prompt.messages)
+            return await self.frontend.encode_chat(prompt.messages, prompt.tools)
         if prompt.text is not None:
             return await self.frontend.encode_text(prompt.text)
         return list(prompt.token_ids or [])
@@ -152,6 +155,15 @@ class RequestPipeline:
         return result
 
 
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in the sampling fields are the model's (the engine checks again)."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias", list(params.logit_bias or ()))):
+        if any(t >= vocab_size for t in ids):
+            raise ApiError(400, f"{name} must be token ids in [0, {vocab_size}), got {max(ids)}",
+                           param=name)
+
+
 class DeltaStream:
     """An admitted request's TokenDeltas as an async iterator (the last one finished). When the
     consumer asks past the last, the request is counted (status 200, latencies, tokens). Closing
@@ -171,12 +183,14 @@ class DeltaStream:
         self._step: asyncio.Future | None = None
         self._first: TokenDelta | None = None
         self._counted = False
+        self._started = False
 
     async def start(self) -> None:
         first = await self._next()
         if first.finished and first.finish_reason == "error" and not first.token_ids:
             raise self.frontend.worker_error(first, self.prompt_param)
         self._first = first
+        self._started = True  # from here on, closing it unfinished counts as an abort
 
     def __aiter__(self):
         return self
@@ -215,6 +229,9 @@ class DeltaStream:
                                   self.num_tokens, 200)
 
     async def aclose(self) -> None:
+        if not self._counted and self._started:  # ended before it finished: aborted
+            self._counted = True
+            self.frontend.account_abort(self.routed, self.num_tokens)
         if self._aborted is not None:
             self._aborted.cancel()
         await _stop(self._step)

@@ -1,5 +1,5 @@
-"""Serve's HTTP and gRPC proxies end a response whose client has stopped reading
-(`server.stream_idle_timeout_s`).
+"""Serve's HTTP and gRPC proxies, and the ingress's direct HTTP port (cluster/direct_http.py),
+end a response whose client has stopped reading (`server.stream_idle_timeout_s`).
 
 Why in the proxy: it is the only process on the path that sees a client stop reading. Its uvicorn
 `send` waits while the socket's write buffer is full (uvicorn's flow control), so the proxy stops
@@ -31,7 +31,8 @@ stream small enough to fit in gRPC's buffers never waits, so it is never cut: it
 `apply()` (listed in ray_patches.PATCHES) adds the middleware where Serve's proxy assembles its
 HTTP options, outermost (after any of RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), so the `send` it
 wraps is uvicorn's own, and wraps the gRPC proxy's streaming handlers. The launcher puts the timeout
-in KVMESH_STREAM_IDLE_TIMEOUT_S; 0 or unset leaves the proxies as they are.
+in KVMESH_STREAM_IDLE_TIMEOUT_S; unset, it is `server.stream_idle_timeout_s`'s default (a cluster
+whose node definitions name only the hook); 0 leaves the proxies as they are.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import termios
 logger = logging.getLogger("kvmesh.cluster")
 
 TIMEOUT_ENV = "KVMESH_STREAM_IDLE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0  # server.stream_idle_timeout_s's default (tests/unit/test_stream_idle_timeout.py)
 
 
 class StreamIdleTimeout:
@@ -132,7 +134,7 @@ def with_write_deadline(handler, timeout_s: float, on_timeout):
 
 
 def apply() -> None:
-    timeout_s = float(os.environ.get(TIMEOUT_ENV) or 0)
+    timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     if timeout_s <= 0:
         return
     from ray.serve._private import proxy

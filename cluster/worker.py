@@ -87,13 +87,15 @@ class KVWorker:
         interval = self.config.server.stream_interval
         finished, sent_first = False, False
         first_token_time, num_tokens = None, 0
+        # n > 1: the sequences' deltas interleave, so each goes out as it is (no merging)
+        single = routed.sampling_params.num_sequences == 1
         try:
             while True:
                 # Everything the engine produced since the last read goes out as one item: at
                 # high load a stream item per token per step would cost more than the step. After
                 # the first token, an item waits for `stream_interval` tokens (or the finish).
-                delta = coalesce(await stream.get(), stream)
-                while sent_first and not delta.finished and len(delta.token_ids) < interval:
+                delta = coalesce(await stream.get(), stream) if single else await stream.get()
+                while single and sent_first and not delta.finished and len(delta.token_ids) < interval:
                     delta = coalesce(delta.followed_by(await stream.get()), stream)
                 if delta.retryable:
                     if delta.token_ids:  # tokens made before the engine died still reach the client

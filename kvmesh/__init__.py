@@ -12,9 +12,10 @@ from kvmesh import _layout
 _layout.install(_os.path.dirname(_os.path.abspath(__file__)))
 
 from kvmesh.sampling_params import SamplingParams  # noqa: E402
+from kvmesh.structured_outputs import StructuredOutputs  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name):

@@ -6,6 +6,7 @@
     outs = llm.chat([{"role": "user", "content": "..."}], sampling_params)
 """
 
+import dataclasses
 import itertools
 import sys
 from collections.abc import Iterator, Sequence
@@ -15,6 +16,7 @@ from kvmesh.protocol import EngineRequest, RequestOutput, TokenDelta
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.worker.chat_template import encode_chat
 from kvmesh.worker.engine import Engine
+from kvmesh.worker.parallel_sampling import rank_best_of
 
 
 class LLM:
@@ -93,10 +95,13 @@ class LLM:
         requests = []
         for text, ids, p in zip(texts, token_lists, params):
             requests.append(EngineRequest(f"req-{next(self._ids)}", ids, p, prompt=text,
-                                          stream_text=bool(p.stop)))
+                                          stream_text=_needs_text_on_the_step(p)))
         for r in requests:
             self.engine.validate_request(r)
+            if r.sampling_params.structured_outputs is not None:  # a bad schema raises here
+                self.engine.grammar_compiler.compile(r.sampling_params.structured_outputs)
         outputs: dict[str, RequestOutput] = {}
+        sequences: dict[tuple[str, int], RequestOutput] = {}
         for r in requests:
             self.engine.add_request(r)
             outputs[r.request_id] = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, "", [], None)
@@ -113,16 +118,22 @@ class LLM:
                     out = outputs.get(delta.request_id)
                     if out is None:
                         continue
+                    if delta.index:  # sequence i > 0 of a request with n > 1
+                        out = sequences.setdefault((delta.request_id, delta.index), RequestOutput(
+                            out.request_id, out.prompt, out.prompt_token_ids, "", [], None))
                     out.text += delta.text
                     out.token_ids.extend(delta.token_ids)
                     out.num_cached_tokens = delta.num_cached_tokens
+                    out.prompt_logprobs = out.prompt_logprobs or delta.prompt_logprobs
                     if delta.logprobs is not None:
                         out.logprobs = (out.logprobs or []) + delta.logprobs
                         out.top_logprobs = (out.top_logprobs or []) + (delta.top_logprobs or [None])
-                    if delta.finished:
+                    if delta.finish_reason is not None:
                         out.finish_reason = delta.finish_reason
+                        out.stop_reason = delta.stop_reason
                         out.arrival_time = delta.arrival_time
                         out.first_token_time = delta.first_token_time
+                    if delta.finished:
                         pending -= 1
                         if bar is not None:
                             bar.update(1)
@@ -131,14 +142,38 @@ class LLM:
                 bar.close()
             for r in requests:
                 self.engine.abort_request(r.request_id)  # no-op for finished ones
+        results = []
         for r in requests:
+            params = r.sampling_params
+            seqs = [outputs[r.request_id]] + [sequences.get((r.request_id, i)) or RequestOutput(
+                r.request_id, r.prompt, r.prompt_token_ids, "", [], None) for i in range(1, params.num_sequences)]
             if not r.stream_text:
-                out = outputs[r.request_id]
-                out.text = self._decode_output(out.token_ids, r.sampling_params, out.finish_reason)
-        return [outputs[r.request_id] for r in requests]
+                for out in seqs:
+                    out.text = self._decode_output(out.token_ids, params, out.finish_reason)
+            results.append(self._choose(seqs, params))
+        return results
+
+    @staticmethod
+    def _choose(seqs: list[RequestOutput], params: SamplingParams) -> RequestOutput:
+        """n > 1: the n sequences (best_of: the n best by cumulative logprob) on the first one."""
+        if len(seqs) == 1:
+            return seqs[0]
+        order = rank_best_of([sum(s.logprobs or []) for s in seqs], params.n) if params.best_of else range(params.n)
+        chosen = [seqs[i] for i in order]
+        for s in chosen:
+            s.prompt_logprobs = seqs[0].prompt_logprobs
+            if params.logprobs is None:
+                s.logprobs = s.top_logprobs = None  # computed only to rank best_of
+        return dataclasses.replace(chosen[0], sequences=chosen)
 
     def _decode_output(self, token_ids: list[int], params: SamplingParams, finish_reason) -> str:
         """The whole output's text at once (a stop token id is not part of the text)."""
         if finish_reason == "stop" and token_ids and token_ids[-1] in params.stop_token_ids:
             token_ids = token_ids[:-1]
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _needs_text_on_the_step(params: SamplingParams) -> bool:
+    """Stop strings, a kept stop string and kept special tokens need the engine's incremental
+    detokenizer; other outputs are decoded once at the end."""
+    return bool(params.stop) or params.include_stop_str_in_output or not params.skip_special_tokens

@@ -119,6 +119,16 @@ def check_prompt_size(num_tokens: int, max_model_len: int) -> None:
 
 
 @dataclass
+class PromptLogprobs:
+    """Each prompt token's log-probability given the tokens before it (vLLM's prompt_logprobs):
+    entry 0 is None (the first token has no context). `ranks[i]` is token i's rank in its
+    distribution (1 = the most likely); `top[i]` the top-k alternatives, token id -> logprob."""
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[dict[int, float] | None]
+
+
+@dataclass
 class TokenDelta:
     """What one engine step produced for one request (streamed to the caller)."""
     request_id: str
@@ -135,16 +145,29 @@ class TokenDelta:
     arrival_time: float = 0.0
     # With finish_reason "error": the worker's engine died, not the request; another worker may run it.
     retryable: bool = False
+    # With SamplingParams.prompt_logprobs: on the request's first delta that has a token.
+    prompt_logprobs: PromptLogprobs | None = None
+    # Parallel sampling (n > 1, best_of): the sequence these tokens belong to, and whether other
+    # sequences of the request still run. finish_reason is the sequence's; the request is
+    # finished with the last sequence.
+    index: int = 0
+    more_sequences: bool = False
+    # vLLM's: with finish_reason "stop", the stop string or stop token id that ended it (None: EOS)
+    stop_reason: str | int | None = None
+    scheduled_time: float | None = None  # when the engine first scheduled it (the worker's clock)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The request is finished (with n > 1: its last sequence)."""
+        return self.finish_reason is not None and not self.more_sequences
 
     def followed_by(self, later: "TokenDelta") -> "TokenDelta":
         """This delta and the next one of the same request as one delta (what a consumer that fell
         behind the engine receives: one stream item per read instead of one per step)."""
         if later.request_id != self.request_id:
             raise ValueError(f"request_id: cannot merge deltas of {self.request_id!r} and {later.request_id!r}")
+        if later.index != self.index:
+            raise ValueError(f"index: cannot merge deltas of sequences {self.index} and {later.index}")
         return TokenDelta(
             self.request_id, self.token_ids + later.token_ids, self.text + later.text,
             later.finish_reason, later.num_prompt_tokens or self.num_prompt_tokens,
@@ -152,7 +175,10 @@ class TokenDelta:
             _joined(self.logprobs, later.logprobs), _joined(self.top_logprobs, later.top_logprobs),
             later.error or self.error,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
-            self.arrival_time or later.arrival_time, later.retryable)
+            self.arrival_time or later.arrival_time, later.retryable,
+            self.prompt_logprobs or later.prompt_logprobs, self.index, later.more_sequences,
+            later.stop_reason,
+            self.scheduled_time if self.scheduled_time is not None else later.scheduled_time)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:
@@ -175,3 +201,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
+    # n > 1: the n sequences (with best_of, the n best by cumulative logprob, best first); the
+    # fields above are sequences[0]'s. Empty when n is 1.
+    sequences: list["RequestOutput"] = field(default_factory=list)
+    stop_reason: str | int | None = None  # as TokenDelta.stop_reason

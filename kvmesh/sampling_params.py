@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from kvmesh.structured_outputs import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -26,8 +28,29 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: the log-probability of each prompt token given the ones before it, with the top
+    # `prompt_logprobs` alternatives (the first token has none). Computed without the prefix cache.
+    prompt_logprobs: int | None = None
+    # Parallel sampling (worker/parallel_sampling.py): `best_of` sequences (default n) share the
+    # prompt's KV blocks; the n with the highest cumulative logprob are returned. Sequence i draws
+    # from seed + i when a seed is given.
+    best_of: int | None = None
+    # vLLM's: EOS and stop_token_ids cannot be sampled (and stop strings do not stop) before
+    # min_tokens output tokens; logit_bias is added to the logits (token id -> bias in [-100, 100]);
+    # include_stop_str_in_output keeps the stop string (or stop token's text) in the output text;
+    # skip_special_tokens drops special tokens from the output text.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar): the sampler masks every
+    # token the grammar does not allow (worker/grammar.py); the request ends when it is complete.
+    structured_outputs: StructuredOutputs | None = None
 
+    MAX_SEQUENCES = 32
     MAX_STOP_STRINGS = 64
+    MAX_STOP_TOKEN_IDS = 64
+    MAX_LOGIT_BIAS = 300
     MAX_STOP_STRING_CHARS = 512
     MAX_LOGPROBS = 20
 
@@ -44,8 +67,11 @@ class SamplingParams:
         def fail(name, limit, value):
             raise ValueError(f"{name} must be {limit}, got {value!r}")
 
-        if self.n != 1:
-            fail("n", "1 (only one completion per request is supported)", self.n)
+        if not _is_int(self.n) or not 1 <= self.n <= self.MAX_SEQUENCES:
+            fail("n", f"in [1, {self.MAX_SEQUENCES}]", self.n)
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= self.MAX_SEQUENCES):
+            fail("best_of", f"in [n, {self.MAX_SEQUENCES}] (n is {self.n})", self.best_of)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail("max_tokens", ">= 1", self.max_tokens)
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
@@ -63,18 +89,53 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not 0 < len(s) <= self.MAX_STOP_STRING_CHARS:
                 fail("stop", f"non-empty strings of at most {self.MAX_STOP_STRING_CHARS} characters", s)
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"at most {self.MAX_STOP_TOKEN_IDS} ids", f"{len(self.stop_token_ids)} ids")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 fail("stop_token_ids", "non-negative integers", t)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"in [0, max_tokens ({self.max_tokens})]", self.min_tokens)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+                fail("logit_bias", f"a map of at most {self.MAX_LOGIT_BIAS} token ids", "a larger map")
+            for t, bias in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    fail("logit_bias", "keyed by non-negative token ids", t)
+                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                    fail("logit_bias", "values in [-100, 100]", bias)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a boolean", getattr(self, name))
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             fail("logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            fail("prompt_logprobs", f"in [0, {self.MAX_LOGPROBS}]", self.prompt_logprobs)
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
             fail("repetition_penalty", "in (0, 10]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 fail(name, "in [-2, 2]", value)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                fail("structured_outputs", "a kvmesh.StructuredOutputs", self.structured_outputs)
+            self.structured_outputs.validate()
+            if self.num_sequences > 1:  # each sequence would need its own grammar state
+                fail("n" if self.best_of is None else "best_of", "1 with structured_outputs",
+                     self.num_sequences)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated: best_of, else n."""
+        return self.best_of or self.n
+
+    @property
+    def needs_sampled_logprobs(self) -> bool:
+        """The sampler computes each sampled token's logprob: asked, or to rank best_of."""
+        return self.logprobs is not None or self.num_sequences > self.n
 
     @property
     def greedy(self) -> bool:

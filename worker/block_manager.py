@@ -44,6 +44,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.pending_events: list[KVEvent] = []
+        # Copy-on-write of shared partial blocks (parallel sampling): (src, dst) block ids whose
+        # K/V the runner copies before the step's forward pass.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,7 +59,11 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The cached prefix of a request that holds no blocks (new, or preempted): block ids to
-        pass to allocate_slots, capped so at least one prompt token is left to compute."""
+        pass to allocate_slots, capped so at least one prompt token is left to compute. None for a
+        request that still has prompt tokens to score (prompt_logprobs needs every position)."""
+        scores = request.prompt_logprobs
+        if scores is not None and len(scores.logprobs) < request.num_prompt_tokens:
+            return []
         return self.find_cached_prefix(request.all_token_ids, request.block_hashes)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
@@ -67,8 +74,11 @@ class BlockManager:
         needed = max(0, self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks))
         # cached blocks that are free now are revived: they come off the free list too
         num_revived = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
-        if needed + num_revived > len(self._free):
+        shared_tail = self._shared_tail(request, num_new_tokens)
+        if needed + num_revived + (shared_tail is not None) > len(self._free):
             return False
+        if shared_tail is not None:
+            self._copy_on_write(request, shared_tail)
         if computed_blocks:
             self.acquire(computed_blocks)
             request.block_ids.extend(computed_blocks)
@@ -76,6 +86,34 @@ class BlockManager:
         if needed:
             request.block_ids.extend(self.allocate(needed))
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` shares every block of `parent` (one more reference each): parallel sampling's
+        sequences share their prompt's K/V. The partial last block is copied when one of them
+        first writes into it (allocate_slots)."""
+        self.acquire(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_cached_blocks = parent.num_cached_blocks
+
+    def _shared_tail(self, request: Request, num_new_tokens: int) -> int | None:
+        """Index in request.block_ids of the partly written block the next tokens go into, when
+        another sequence holds it too; else None."""
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if num_new_tokens and offset and index < len(request.block_ids):
+            if self.blocks[request.block_ids[index]].ref_count > 1:
+                return index
+        return None
+
+    def _copy_on_write(self, request: Request, index: int) -> None:
+        src = request.block_ids[index]
+        dst = self.allocate(1)[0]
+        self.blocks[src].ref_count -= 1  # still held by the sequence(s) it was shared with
+        request.block_ids[index] = dst
+        self.pending_copies.append((src, dst))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks whose tokens are all known."""
@@ -141,6 +179,9 @@ class BlockManager:
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference on each block, last block first, so a sequence's tail is evicted
         before its (more shareable) prefix."""
+        if self.pending_copies:  # a copy into a block released before its step ran is moot
+            released = set(block_ids)
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in released]
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -15,18 +15,23 @@ import re
 import secrets
 
 
-def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool = False) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool = False,
+                tools: list[dict] | None = None) -> list[int]:
     """The prompt ids of `messages` with the generation prompt appended.
 
     special_tokens_in_content: True tokenizes content as the template's own text would be (the
-    unsafe behaviour, for trusted callers that write control tokens on purpose)."""
+    unsafe behaviour, for trusted callers that write control tokens on purpose). tools: passed to
+    the template as `apply_chat_template(tools=...)` passes them (template text, not content)."""
+    extra = {"tools": tools} if tools else {}
     if special_tokens_in_content:
-        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  **extra))
     # A random marker cannot occur in the content by chance or by a caller's design.
     marker = f"kvmeshcontent{secrets.token_hex(8)}n"
     placeholders = [dict(m, content=f"{marker}{i}{marker}") if isinstance(m.get("content"), str) else m
                     for i, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False,
+                                             **extra)
     specials = _special_tokens(tokenizer)
     split_specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
     # The text between two of the template's special tokens is tokenized as one piece, content

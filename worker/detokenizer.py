@@ -2,7 +2,8 @@
 
 Text is decoded from a sliding window of token ids so each step costs O(window), and a character
 split across tokens (UTF-8 multi-byte) is held back until it is complete. With stop strings, the
-last (longest stop - 1) characters are held back until they cannot start a match.
+last (longest stop - 1) characters are held back until they cannot start a match (none when the
+stop string is kept in the output: include_stop_str_in_output).
 """
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -10,11 +11,14 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.include_stop = include_stop_str_in_output
+        # a match can start this many characters before the new text
+        self.search_back = max((len(s) for s in stop), default=1) - 1
+        self.holdback = 0 if include_stop_str_in_output else self.search_back
         self.token_ids: list[int] = list(prompt_token_ids[-6:])  # context for the first tokens
         # token_ids[prefix_offset:read_offset] decodes to text already emitted
         self.prefix_offset = 0
@@ -26,9 +30,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, new_token_ids: list[int]) -> str | None:
+    def add_tokens(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Feed sampled tokens; returns the matched stop string if one was found (the text is then
-        cut before it)."""
+        cut before it, or after it with include_stop_str_in_output). check_stop False: before
+        min_tokens, where stop strings do not stop."""
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -37,9 +42,9 @@ class IncrementalDetokenizer:
                 new_text = full_text[len(prefix_text):]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.token_ids)
-                start = max(0, len(self.text) - self.holdback)
+                start = max(0, len(self.text) - self.search_back)
                 self.text += new_text
-                if self.stop:
+                if self.stop and check_stop:
                     match = self._find_stop(start)
                     if match is not None:
                         return match
@@ -53,7 +58,7 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         self.stopped = True
         return best[1]
 

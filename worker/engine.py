@@ -1,5 +1,6 @@
 """The engine core: synchronous and single-threaded. step() = schedule -> execute -> update."""
 
+import concurrent.futures
 import logging
 import random
 import time
@@ -15,6 +16,8 @@ from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.model_builder import build_model, resolve_device_dtype
 from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel_sampling import sequence_params
+from kvmesh.worker.prompt_logprobs import add_chunk, new_prompt_logprobs
 from kvmesh.worker.scheduler import Scheduler
 from kvmesh.worker.sequence import Request
 
@@ -44,12 +47,16 @@ class Engine:
                                   self.device, self.dtype, config.attention_backend, config.seed,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile)
+        self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # masked by min_tokens
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._in_flight = None  # (SchedulerOutput, PendingSample | None) launched, not yet processed
         self._finished_out: list[TokenDelta] = []  # deltas of aborted/failed requests, returned by the next step
         self.epoch = random.SystemRandom().getrandbits(62)
+        # Structured outputs: requests whose grammar is compiling (off the step path), in order.
+        self._grammars = None  # worker.grammar.GrammarCompiler, made on first use
+        self._awaiting_grammar: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self._next_seq = 0
 
     # ---- sizing ------------------------------------------------------------------------------
@@ -99,6 +106,16 @@ class Engine:
         if not isinstance(request.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvmesh.SamplingParams")
         request.sampling_params.validate()
+        num_sequences = request.sampling_params.num_sequences
+        if num_sequences > self.config.max_num_seqs:
+            name = "best_of" if request.sampling_params.best_of else "n"
+            raise ValueError(f"{name} is {num_sequences}; this engine runs at most "
+                             f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
+        params = request.sampling_params
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} must be token ids in [0, {vocab}), got {max(ids)}")
 
     def _check_block_hashes(self, request: EngineRequest) -> None:
         """Hashes computed by the caller are used as they are, so they must be this engine's cut."""
@@ -113,26 +130,81 @@ class Engine:
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request; raises ValueError naming the field and the limit."""
         self.validate_request(request)
-        ids, params = request.prompt_token_ids, request.sampling_params
+        req = self._new_sequence(request, 0)
+        if request.sampling_params.num_sequences > 1:  # worker/parallel_sampling.py
+            req.pending_forks = [self._new_sequence(request, i)
+                                 for i in range(1, request.sampling_params.num_sequences)]
+            req.group = [req, *req.pending_forks]
+            for child in req.pending_forks:
+                child.group = req.group
+        if req.sampling_params.prompt_logprobs is not None:
+            req.prompt_logprobs = new_prompt_logprobs()
+        self.requests[req.request_id] = req
+        if req.sampling_params.structured_outputs is not None:  # queued once its grammar compiles
+            future = self.grammar_compiler.submit(req.sampling_params.structured_outputs)
+            self._awaiting_grammar[req.request_id] = (req, future)
+            return
+        self.scheduler.add(req)
+
+    def _new_sequence(self, request: EngineRequest, index: int) -> Request:
+        ids, params = request.prompt_token_ids, sequence_params(request.sampling_params, index)
         req = Request(request.request_id, ids, params, self.block_size, self.hash_salt,
                       request.arrival_time or time.time(), request.prompt, request.block_hashes)
+        req.index = index
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
         if request.stream_text or params.stop:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                     params.skip_special_tokens,
+                                                     params.include_stop_str_in_output)
+        return req
+
+    @property
+    def grammar_compiler(self):
+        if self._grammars is None:
+            from kvmesh.worker.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             stop_token_ids=sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _admit_compiled(self) -> list[TokenDelta]:
+        """Queue the requests whose grammar has compiled; end those whose grammar did not. With
+        nothing else to run, wait a little for a compile rather than spin."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            concurrent.futures.wait([f for _, f in self._awaiting_grammar.values()], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        deltas = []
+        for request_id, (req, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            if future.exception() is not None:
+                self._finish(req, "error")
+                delta = self._delta(req, [], None)
+                delta.error = f"invalid_request: {future.exception()}"
+                deltas.append(delta)
+                continue
+            req.grammar = self.grammar_compiler.matcher(future.result())
+            self.scheduler.add(req)
+        return deltas
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
-        if req is None or req.is_finished:
+        if req is None:
             return
-        self._finish(req, "abort")
-        self._finished_out.append(self._delta(req, [], None))
+        self._awaiting_grammar.pop(request_id, None)
+        aborted = [m for m in req.group or [req] if not m.is_finished]  # forked or not
+        for member in aborted:
+            self._finish(member, "abort")
+        self._finished_out.append(self._delta(aborted[-1], [], None))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._finished_out) or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or bool(self._finished_out)
+                or self._in_flight is not None or bool(self._awaiting_grammar))
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -141,16 +213,25 @@ class Engine:
         N-1's sampled tokens are processed on the host (they feed step N on the device), so the
         host's bookkeeping overlaps the GPU's work; outputs then arrive one call later."""
         deltas, self._finished_out = self._finished_out, []
+        deltas.extend(self._admit_compiled())
+        # A grammar's mask needs the previous token accepted, as penalties need it counted.
         overlap = self.async_scheduling and not any(
-            r.sampling_params.uses_penalties for r in self.scheduler.running)
+            r.sampling_params.uses_penalties or r.grammar is not None for r in self.scheduler.running)
         if self._in_flight is not None and not overlap:
             deltas.extend(self._process(*self._in_flight))
             self._in_flight = None
         output = self.scheduler.schedule()
+        if not output.is_empty:
+            scheduled_at = time.time()
+            for entry in output.scheduled:  # the end of its queue time (vLLM's queued interval)
+                if entry.request.scheduled_time is None:
+                    entry.request.scheduled_time = scheduled_at
         launched = None
         if not output.is_empty:
             previous_samples = self._in_flight[1] if self._in_flight is not None else None
             launched = self.runner.execute(output, previous_samples)
+            for chunk in self.runner.take_prompt_logprobs():
+                add_chunk(chunk.request.prompt_logprobs, chunk)
             self.scheduler.advance(output)
             if launched is not None:
                 for row, req in enumerate(launched.requests):
@@ -177,6 +258,15 @@ class Engine:
                     continue  # aborted, or ended by an earlier token while this one was in flight
                 token = result.token_ids[i]
                 req.resolve_placeholder(token)
+                if req.grammar is not None and not req.grammar.accept(token):
+                    # a masked sampler cannot pick a refused token; if it ever does, say so
+                    logger.error("request %s: its grammar refused token %d", req.request_id, token)
+                    self._finish(req, "error")
+                    deltas.append(self._delta(req, [token], None))
+                    # the request's grammar led where no token fits: a 400 if nothing was sent yet
+                    deltas[-1].error = (f"invalid_request: structured_outputs: the grammar allows no "
+                                        f"token after {req.num_resolved_output_tokens - 1} tokens")
+                    continue
                 if req.first_token_time is None:
                     req.first_token_time = now
                 logprob = top = None
@@ -195,13 +285,23 @@ class Engine:
         return deltas
 
     def _check_finish(self, req: Request, token: int) -> str | None:
+        """The finish reason after `token`, or None; a stop sets req.stop_reason (vLLM's: the stop
+        string or stop token id, None for EOS). Before min_tokens nothing but the length stops."""
         params = req.sampling_params
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        stop = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
+        detok = req.detokenizer
+        before_min = req.num_resolved_output_tokens <= params.min_tokens - 1
+        if not before_min:
+            stop_token = token in params.stop_token_ids
+            if stop_token or (not params.ignore_eos and token in self.eos_token_ids):
+                req.stop_reason = token if stop_token else None
+                if detok is not None and params.include_stop_str_in_output:
+                    detok.add_tokens([token], check_stop=False)
+                return "stop"
+        if req.grammar is not None and req.grammar.is_terminated:
+            return "stop"  # the grammar is complete: nothing more may follow, even with ignore_eos
+        stop = detok.add_tokens([token], check_stop=not before_min) if detok is not None else None
         if stop is not None:
+            req.stop_reason = stop
             return "stop"
         num_tokens = req.num_tokens - req.num_pending
         if req.num_resolved_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
@@ -213,13 +313,17 @@ class Engine:
         req.finish_reason = reason
         req.finish_time = time.time()
         self.scheduler.finish(req)
-        del self.requests[req.request_id]
+        if req.group is None or all(member.is_finished for member in req.group):
+            del self.requests[req.request_id]
 
     def _fail_unschedulable(self) -> list[TokenDelta]:
         """With nothing running, a waiting request that still does not fit never will: end it."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         req = self.scheduler.waiting[0]
+        for member in req.group or []:  # the request's other sequences end with it
+            if member is not req and not member.is_finished:
+                self._finish(member, "length" if member.output_token_ids else "error")
         self._finish(req, "length" if req.output_token_ids else "error")
         logger.warning("request %s needs more KV blocks than the pool has (%d); ended",
                        req.request_id, self.block_manager.num_blocks)
@@ -230,13 +334,19 @@ class Engine:
 
     def _delta(self, req: Request, token_ids: list[int], logprob, top=None) -> TokenDelta:
         text = req.detokenizer.take_delta(final=req.is_finished) if req.detokenizer is not None else ""
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0, num_output_tokens=req.num_resolved_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
             top_logprobs=[top] if top is not None else None,
-            first_token_time=req.first_token_time, arrival_time=req.arrival_time)
+            first_token_time=req.first_token_time, arrival_time=req.arrival_time,
+            prompt_logprobs=prompt_logprobs, index=req.index,
+            more_sequences=req.group is not None and any(not m.is_finished for m in req.group),
+            stop_reason=req.stop_reason, scheduled_time=req.scheduled_time)
 
     # ---- state for the router ----------------------------------------------------------------
 

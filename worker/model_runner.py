@@ -13,6 +13,7 @@ from kvmesh.worker.compile import compile_layers
 from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
 from kvmesh.worker.host_to_device import to_device
 from kvmesh.worker.model_config import ModelConfig
+from kvmesh.worker.prompt_logprobs import PromptLogprobsChunk, score_prompt_tokens
 from kvmesh.worker.sampler import PendingSample, Sampler
 from kvmesh.worker.scheduler import SchedulerOutput
 
@@ -39,6 +40,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(device, seed)
+        self._prompt_logprobs: list[PromptLogprobsChunk] = []  # the last step's, until taken
         if torch_compile:  # before the graphs are captured: their warm-up runs compile it
             compile_layers(self.model)
         # --- CUDA graphs for decode (worker/cuda_graphs.py) ---
@@ -74,6 +76,9 @@ class ModelRunner:
         slot_mapping = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         samples = [e.samples for e in entries]
         logits_indices = [int(query_start_loc[i + 1]) - 1 for i, x in enumerate(samples) if x]
+        if any(e.forks for e in entries):  # forked sequences (parallel sampling) sample that row too
+            logits_indices = [int(query_start_loc[i + 1]) - 1
+                              for i, e in enumerate(entries) if e.samples for _ in range(1 + len(e.forks))]
         num_decode_tokens = sum(1 for q, x in zip(query_lens, samples) if q == 1 and x)
         dev = self.device
         metadata = AttentionMetadata(
@@ -93,6 +98,9 @@ class ModelRunner:
         copy to the host queued). Tokens still in flight from `previous` (placeholders, -1) are read
         from its device tensor, so this step can be launched before the previous one is done."""
         (input_ids, positions), metadata, logits_indices = self.prepare(output)
+        if output.blocks_to_copy:  # copy on write of blocks shared by parallel sequences
+            src, dst = (to_device(list(ids), torch.long, self.device) for ids in zip(*output.blocks_to_copy))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [layers, 2, n, block, kv_heads, head_dim]
         pending = self._pending_inputs(output)
         if pending:
             if previous is None:
@@ -105,12 +113,21 @@ class ModelRunner:
             self.backend.plan(metadata)
             with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
                 hidden = self.model(input_ids, positions)  # [T, hidden]
+        if any(e.request.prompt_logprobs is not None for e in output.scheduled):
+            self._prompt_logprobs = score_prompt_tokens(self.model, hidden, output.scheduled)
         if not logits_indices:
             return None
         index = to_device(logits_indices, torch.long, self.device)
         logits = self.model.compute_logits(hidden[index])  # [N, vocab]
         sampling = [e.request for e in output.scheduled if e.samples]
+        if len(sampling) != len(logits_indices):  # forked sequences follow their request
+            sampling = [r for e in output.scheduled if e.samples for r in (e.request, *e.forks)]
         return self.sampler.sample_async(logits, sampling)
+
+    def take_prompt_logprobs(self) -> list[PromptLogprobsChunk]:
+        """The prompt tokens scored by the last execute (for requests with prompt_logprobs)."""
+        chunks, self._prompt_logprobs = self._prompt_logprobs, []
+        return chunks
 
     @staticmethod
     def _pending_inputs(output: SchedulerOutput) -> tuple[list[int], list[int]] | None:

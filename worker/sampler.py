@@ -1,4 +1,5 @@
-"""Sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampling: logit_bias and min_tokens, then penalties (vLLM's order), temperature, top-k, top-p,
+min-p, per-request seeds, logprobs.
 
 The batch is sampled with tensor operations and one host sync (the final .tolist()). A seeded
 request draws its randomness from its own generator, so its output does not depend on what else is
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.grammar import apply_grammar_masks
 from kvmesh.worker.host_to_device import to_device
 
 
@@ -33,6 +35,34 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         ids = torch.tensor(output_ids, device=logits.device, dtype=torch.long)
         counts = torch.zeros_like(logits).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_bias_and_min_tokens(logits: torch.Tensor, requests, eos_token_ids) -> torch.Tensor:
+    """logit_bias added to each row's logits; a row with fewer than min_tokens output tokens cannot
+    sample its stop_token_ids or EOS (unless ignore_eos). logits [N, V] float32, changed in place
+    with one scatter each, on the logits' device."""
+    vocab = logits.shape[-1]
+    rows, cols, values, masked_rows, masked_cols = [], [], [], [], []
+    for i, req in enumerate(requests):
+        params = req.sampling_params
+        if params.logit_bias:
+            for token_id, bias in params.logit_bias.items():
+                if token_id < vocab:
+                    rows.append(i), cols.append(token_id), values.append(float(bias))
+        if params.min_tokens and len(req.output_token_ids) < params.min_tokens:
+            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            for token_id in ids:
+                if token_id < vocab:
+                    masked_rows.append(i), masked_cols.append(token_id)
+    device = logits.device
+    if rows:
+        logits.index_put_((to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
+                          to_device(values, torch.float32, device), accumulate=True)
+    if masked_rows:
+        logits.index_put_((to_device(masked_rows, torch.long, device),
+                           to_device(masked_cols, torch.long, device)),
+                          torch.tensor(float("-inf"), device=device))
     return logits
 
 
@@ -100,8 +130,9 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids=()):
         self.device = device
+        self.eos_token_ids = frozenset(eos_token_ids)  # masked by min_tokens (the engine sets it)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -112,9 +143,12 @@ class Sampler:
         """logits: [N, vocab] for N requests (in order); one token per request, left on the device."""
         logits = logits.float()
         params = [r.sampling_params for r in requests]
+        if any(p.logit_bias or p.min_tokens for p in params):  # before penalties, as vLLM
+            logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
         for i, req in enumerate(requests):
             if params[i].uses_penalties:
                 logits[i] = apply_penalties(logits[i].clone(), params[i], req.prompt_token_ids, req.output_token_ids)
+        apply_grammar_masks(logits, requests, logits.shape[-1])  # structured outputs' rows only
         tokens = logits.argmax(dim=-1)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -136,7 +170,7 @@ class Sampler:
                 tokens = sampled
             else:
                 tokens[rows] = sampled
-        if not any(p.logprobs is not None for p in params):
+        if not any(p.needs_sampled_logprobs for p in params):
             return PendingSample(requests, tokens, None, None, None)
         logp = torch.log_softmax(logits, dim=-1)  # of the model's (penalised) distribution
         sampled_logp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -8,7 +8,7 @@ goes back to the front of the queue to be recomputed later (its cached prefix us
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.sequence import Request, RequestStatus
@@ -19,11 +19,16 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     samples: bool  # the chunk reaches the end of the known tokens: sample the next token
+    # Sequences forked off `request` as its prompt completes (parallel sampling): each samples its
+    # first token from this chunk's last logits row too (worker/parallel_sampling.py).
+    forks: list[Request] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes (1 new token) first, then prompt chunks
+    # (src, dst) block ids whose K/V is copied before the forward (copy on write of a shared block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -60,11 +65,15 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the newest running request
-                self._preempt(victim)
+                victims = self._preempt_newest()
                 preempted = True
-                if victim is request:
+                # a group's members scheduled earlier in this step are taken back with it
+                for entry in [e for e in scheduled if any(e.request is v for v in victims)]:
+                    scheduled.remove(entry)
+                    budget += entry.num_new_tokens
+                if any(request is v for v in victims):
                     break
+                index = self.running.index(request)
             else:
                 scheduled.append(self._entry(request, num_new))
                 budget -= num_new
@@ -73,7 +82,10 @@ class Scheduler:
             break  # the current request was preempted itself: nothing else fits
 
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            # sequences still to fork count against max_num_seqs from their request's admission
+            num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+            while (self.waiting and budget > 0
+                   and num_seqs + 1 + len(self.waiting[0].pending_forks) <= self.max_num_seqs):
                 request = self.waiting[0]
                 # a waiting request holds no blocks (new, or preempted and released)
                 hits = self.block_manager.get_computed_blocks(request)
@@ -87,18 +99,47 @@ class Scheduler:
                     request.num_cached_tokens = num_computed
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                num_seqs += 1 + len(request.pending_forks)
                 scheduled.append(self._entry(request, num_new))
                 budget -= num_new
 
+        for entry in scheduled:
+            if entry.forks:
+                self._fork(entry)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1 or not s.samples)  # decodes first (stable)
-        return SchedulerOutput(scheduled)
+        return SchedulerOutput(scheduled, self.block_manager.take_copies())
 
     def _ends_with_pending(self, request: Request) -> bool:
         return (len(request.output_token_ids) >= request.sampling_params.max_tokens
                 or (self.max_model_len is not None and request.num_tokens >= self.max_model_len))
 
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+        samples = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledRequest(request, num_new, samples, list(request.pending_forks) if samples else [])
+
+    def _fork(self, entry: ScheduledRequest) -> None:
+        """The request's prompt is computed by this step: its other sequences start, sharing its
+        blocks, right after it in the running list (a group stays contiguous)."""
+        parent = entry.request
+        for child in entry.forks:
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens + entry.num_new_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+        parent.pending_forks = []
+        at = next(i for i, r in enumerate(self.running) if r is parent) + 1
+        self.running[at:at] = entry.forks
+
+    def _preempt_newest(self) -> list[Request]:
+        """Preempt the newest running request, with the running sequences of its group (they share
+        blocks: one alone frees little). Returns them."""
+        newest = self.running[-1]
+        group = newest.group
+        victims = [r for r in self.running if r.group is group] if group is not None else [newest]
+        for victim in reversed(victims):  # to the front of the queue, in their order
+            self.running.remove(victim)
+            self._preempt(victim)
+        return victims
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -37,19 +37,32 @@ class Request:
         self.block_hashes: list[int] = (list(prompt_block_hashes) if prompt_block_hashes is not None
                                         else compute_block_hashes(prompt_token_ids, block_size, salt))
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # first scheduled (its queue time ends)
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None  # per-request, for seeded sampling
+        # SamplingParams.prompt_logprobs: the prompt tokens scored so far (worker/prompt_logprobs.py),
+        # sent with the first delta that has a token.
+        self.prompt_logprobs = None
+        self.prompt_logprobs_sent = False
         self.detokenizer = None  # set by the engine
+        self.grammar = None  # structured outputs: a worker.grammar.GrammarMatcher, set by the engine
         # Async scheduling: the token sampled by the step in flight is a placeholder (-1) at the end
         # of the token lists until its step is processed; pending_row is its row in that step's
         # sampled tokens, from which the next step reads it on the device.
         self.num_pending = 0
         self.pending_row = -1
+        # Parallel sampling (worker/parallel_sampling.py): this sequence's index among the
+        # request's, every sequence of the request (shared list; None when it has one), and the
+        # sequences that fork off this one when its prompt is computed.
+        self.index = 0
+        self.group: list[Request] | None = None
+        self.pending_forks: list[Request] = []
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,10 @@ import time
 from kvmesh.config import ATTENTION_BACKENDS
 
 DEFAULT_MODEL = "random:qwen3-0.6b"
+# For --structured-outputs json: strings take almost any token, so a random model's outputs stay
+# long (as unconstrained ones) while every step still computes a mask per row.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+                     "required": ["items"]}
 
 
 def add_arguments(p) -> None:
@@ -40,6 +44,10 @@ def add_arguments(p) -> None:
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step of the run (torch.profiler) and print where its time goes")
     p.add_argument("--profile-trace", default=None, help="write the profiled step's Chrome trace here")
+    p.add_argument("--structured-outputs", choices=["none", "json"], default="none",
+                   help="json: every request's output must match STRUCTURED_SCHEMA (an object holding "
+                        "an array of strings), to measure the grammar mask's cost; a request may then "
+                        "end before its max_tokens, so output tokens are counted, not checked")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -55,7 +63,7 @@ def engine_args(args) -> dict:
 def run(args) -> int:
     import torch
 
-    from kvmesh import LLM, SamplingParams
+    from kvmesh import LLM, SamplingParams, StructuredOutputs
     from kvmesh.bench.engine_probe import StepProbe
     from kvmesh.bench.floor import FloorCounter, ModelShape, measure_ceilings
     from kvmesh.bench.peers import run_peer
@@ -82,8 +90,13 @@ def run(args) -> int:
     llm.generate(prompt_token_ids=[[i % vocab for i in range(args.min_len)]] * 2,
                  sampling_params=SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)
     probe = StepProbe(engine, args.profile_step, args.profile_trace)
-    params = [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=m)
+    structured = (StructuredOutputs(json=STRUCTURED_SCHEMA)
+                  if getattr(args, "structured_outputs", "none") == "json" else None)
+    params = [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=m,
+                             structured_outputs=structured)
               for m in workload.max_tokens]
+    if structured is not None:  # compiled once, before the timed run (as a server's cache would)
+        engine.grammar_compiler.compile(structured)
     _sync(device)
     start = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=True)
@@ -92,7 +105,7 @@ def run(args) -> int:
     probe.detach()
 
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    if output_tokens != workload.num_output_tokens:
+    if structured is None and output_tokens != workload.num_output_tokens:
         raise RuntimeError(f"engine produced {output_tokens} tokens, the workload asks {workload.num_output_tokens}")
     cfg = engine.model_config
     shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
@@ -105,6 +118,9 @@ def run(args) -> int:
         "model": args.model, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
+        "structured_outputs": "none" if structured is None else "json",
+        # with ignore_eos only a complete grammar ends a request before its max_tokens
+        "grammar_completed": sum(o.finish_reason == "stop" for o in outputs),
         "num_prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": output_tokens, "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds,
@@ -134,7 +150,9 @@ def run(args) -> int:
 def print_table(r: dict) -> None:
     print(f"kvmesh bench offline: {r['model']} on {r['device']}, backend {r['attention_backend']}, "
           f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}"
-          + (", torch.compile on" if r.get("torch_compile") else ""))
+          + (", torch.compile on" if r.get("torch_compile") else "")
+          + (", structured outputs: json schema on every request"
+             if r.get("structured_outputs") == "json" else ""))
     print(f"  {r['num_prompts']} prompts, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens, "
           f"{r['steps']} steps" + (" (nano-vllm's workload)" if r["nano_vllm_workload"] else ""))
     print(f"  ceilings: copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")

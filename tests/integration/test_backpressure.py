@@ -1,11 +1,15 @@
 """Backpressure on a live cluster (one CPU worker; `server.stream_idle_timeout_s: 3`), over raw
-sockets on 127.0.0.1 to Serve's HTTP proxy:
+sockets on 127.0.0.1 to Serve's HTTP proxy and to the ingress's direct port:
 
 - 40 streams whose clients read the response head and then nothing: while the clients still hold
   their connections, the engine aborts every one (nothing running, every KV block free) well before
-  they could have finished, each connection is reset, and the proxy's memory is back near where it was;
+  they could have finished, each connection is reset, and the memory of the process writing to
+  them (the proxy; the ingress replica on the direct port) is back near where it was;
+- 40 streams whose clients close their connections while the server's send waits on them: the
+  engine is idle within the idle timeout of the close (the direct port, before SseResponse, went on
+  generating for 36 s);
 - a client that reads one 16 KiB chunk a second, far behind what the worker writes, is not cut and
-  gets every token.
+  gets every token, on both.
 
 The clients advertise an Ethernet MSS and ask for 20 top logprobs a token, so that this tiny model's
 output outgrows the socket buffers in seconds (reliability_support.open_raw_stream).
@@ -21,20 +25,24 @@ from cluster_support import MODEL, config_cluster, cpu_config
 from reliability_support import (chat_stream_body, http, open_raw_stream, ray_processes, rss_mb,
                                  wait_until)
 
+from kvmesh.cluster.local import free_port
+
 pytestmark = pytest.mark.slow
 
 IDLE_TIMEOUT_S = 3.0
 NUM_UNREAD = 40
 UNREAD_MAX_TOKENS = 1900  # about all of tiny-llama's 2048-token context
 SLOW_MAX_TOKENS = 250
-PROXY_GROWTH_LIMIT_MB = 60  # measured: see docs/RELIABILITY.md "Backpressure"
+WRITER_GROWTH_LIMIT_MB = 60  # measured: see docs/RELIABILITY.md "Backpressure"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    direct_port = free_port()
     config = cpu_config(engine={"max_num_seqs": 64}, replicas={"max_ongoing_requests": 64},
-                        server={"stream_idle_timeout_s": IDLE_TIMEOUT_S})
+                        server={"stream_idle_timeout_s": IDLE_TIMEOUT_S, "direct_http_port": direct_port})
     with config_cluster(tmp_path_factory, config) as c:
+        c.direct_http_port = direct_port
         yield c
 
 
@@ -55,19 +63,28 @@ def idle(row: dict) -> bool:
     return row["running"] == 0 and row["waiting"] == 0 and row["kv_used"] == 0
 
 
-def proxy_rss_mb(cluster) -> float:
-    (proxy,) = ray_processes(cluster, "ProxyActor")
-    return rss_mb([proxy])
+def server_rss_mb(cluster, role: str) -> float:
+    """Resident memory of the process that writes the stream: Serve's proxy or the ingress replica
+    (which serves the direct port)."""
+    (process,) = ray_processes(cluster, role)
+    return rss_mb([process])
 
 
-def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster):
+# path -> (the port of the cluster it is on, the process that writes to the client)
+PATHS = {"proxy": ("http_port", "ProxyActor"), "direct": ("direct_http_port", "Ingress")}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster, path):
+    port_name, writer = PATHS[path]
+    port = getattr(cluster, port_name)
     wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
     tokens_before = worker_row(cluster)["tokens_out"]
-    rss_before = proxy_rss_mb(cluster)
+    rss_before = server_rss_mb(cluster, writer)
     sockets = []
     try:
         for _ in range(NUM_UNREAD):
-            sockets.append(open_stream(cluster.http_port, UNREAD_MAX_TOKENS, rcvbuf=4096)[0])
+            sockets.append(open_stream(port, UNREAD_MAX_TOKENS, rcvbuf=4096)[0])
         opened = time.monotonic()
         assert worker_row(cluster)["running"] > 0
         # the clients still hold their connections: only the server can end these requests
@@ -82,18 +99,41 @@ def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster):
                 while data := s.recv(65536):
                     received += data
             assert b"[DONE]" not in received
-        rss_after = proxy_rss_mb(cluster)
-        print(f"{NUM_UNREAD} unread streams aborted {aborted_after_s:.1f} s after the last opened; "
-              f"{generated} tokens generated; proxy RSS {rss_before:.0f} -> {rss_after:.0f} MB")
-        assert rss_after - rss_before < PROXY_GROWTH_LIMIT_MB
+        rss_after = server_rss_mb(cluster, writer)
+        print(f"{path}: {NUM_UNREAD} unread streams aborted {aborted_after_s:.1f} s after the last opened; "
+              f"{generated} of {NUM_UNREAD * UNREAD_MAX_TOKENS} tokens generated; "
+              f"{writer} RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+        assert rss_after - rss_before < WRITER_GROWTH_LIMIT_MB
     finally:
         for s in sockets:
             s.close()
 
 
-def test_a_slow_reader_is_not_cut_and_gets_every_token(cluster):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_clients_that_close_unread_streams_stop_the_engine(cluster, path):
+    """A client that closes its connection while the server's send waits on it (its buffers full):
+    the request ends on the engine at the disconnect, before the idle timeout could cut it."""
+    port = getattr(cluster, PATHS[path][0])
     wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
-    s, received = open_stream(cluster.http_port, SLOW_MAX_TOKENS, rcvbuf=16384)
+    tokens_before = worker_row(cluster)["tokens_out"]
+    sockets = [open_stream(port, UNREAD_MAX_TOKENS, rcvbuf=4096)[0] for _ in range(NUM_UNREAD)]
+    time.sleep(IDLE_TIMEOUT_S / 2)  # the first streams' buffers fill; the timeout cuts none yet
+    for s in sockets:
+        s.close()  # unread data in its receive buffer: Linux resets the connection
+    closed = time.monotonic()
+    wait_until(lambda: idle(worker_row(cluster)), 60, interval_s=0.2, what="every closed stream aborted")
+    stopped_after_s = time.monotonic() - closed
+    generated = worker_row(cluster)["tokens_out"] - tokens_before
+    print(f"{path}: {NUM_UNREAD} closed streams idle on the engine {stopped_after_s:.1f} s after the "
+          f"clients closed; {generated} of {NUM_UNREAD * UNREAD_MAX_TOKENS} tokens generated")
+    assert stopped_after_s < IDLE_TIMEOUT_S
+    assert generated < NUM_UNREAD * UNREAD_MAX_TOKENS // 4
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_slow_reader_is_not_cut_and_gets_every_token(cluster, path):
+    wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
+    s, received = open_stream(getattr(cluster, PATHS[path][0]), SLOW_MAX_TOKENS, rcvbuf=16384)
     received = bytearray(received)
     engine_done_at = None
     try:

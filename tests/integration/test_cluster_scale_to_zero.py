@@ -60,6 +60,30 @@ def health(cluster) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def grpc_health(cluster) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=30).status
+
+
+def test_grpc_health_is_serving_at_zero_and_with_a_worker(cluster):
+    """At zero a request starts a replica, so a probe must keep the endpoint in (as /health's 200
+    scaled_to_zero); NOT_SERVING (no worker where autoscaling cannot reach zero, or every worker
+    failed) is tested on cluster_health, which both answer from (tests/unit/test_cluster_health.py)."""
+    from grpc_health.v1 import health_pb2
+
+    wait_for_replicas(cluster, 0, timeout_s=120)
+    deadline = time.monotonic() + 60  # the hub forgets the last worker shortly after Serve stops it
+    while health(cluster)[1]["status"] == "ok" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert grpc_health(cluster) == health_pb2.HealthCheckResponse.SERVING
+    complete(cluster, "wake up", 2)
+    assert grpc_health(cluster) == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_scales_to_zero_when_idle_and_a_request_brings_a_replica_back(cluster):
     wait_for_replicas(cluster, 0, timeout_s=120)
     # At zero /health answers 200 "scaled_to_zero" (a load balancer that saw 503 would stop sending

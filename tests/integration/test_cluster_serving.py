@@ -188,11 +188,12 @@ BAD_REQUESTS = [
     ({"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
     ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": MESSAGES, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
-    ({"messages": MESSAGES, "n": 2}, 400, "n"),
+    ({"messages": MESSAGES, "n": 0}, 400, "n"),
+    ({"messages": MESSAGES, "best_of": 2}, 400, "best_of"),
     ({"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
-    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
     ({"messages": MESSAGES, "model": "no-such-model"}, 404, "model"),
     # strict types: a number is a JSON number
@@ -296,6 +297,309 @@ def test_grpc_abort_ends_the_stream_with_abort(cluster):
     assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="abort-me")).found
     rest = list(stream)
     assert rest[-1].finish_reason == "abort"
+
+
+# ---- the API's fields, endpoint by endpoint (tests/api_field_table.py) ---------------------------
+
+from api_field_table import ROWS, row_id  # noqa: E402
+import api_field_walk as walk  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    from kvmesh import LLM
+
+    return LLM(MODEL, device="cpu")
+
+
+def offline_outcome(llm, kind, fields):
+    """What the offline engine answers with the SamplingParams the server parses from `fields`."""
+    from kvmesh.cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                                parse_request, sampling_params)
+
+    cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    params = sampling_params(parse_request(walk.body(kind, **fields), cls), 64)
+    ids = llm.apply_chat_template(walk.MESSAGES) if kind == "chat" else walk.PROMPT_IDS
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)[0]
+    return out.text, out.finish_reason, out.stop_reason
+
+
+WALK = [(row, kind) for row in ROWS for kind in row.kinds]
+
+
+@pytest.mark.parametrize("row,kind", WALK, ids=[f"{row_id(r)}@{k}" for r, k in WALK])
+def test_each_api_field_is_honoured_or_refused_by_name(cluster, offline_llm, row, kind):
+    """Fails on any field the server accepts without its effect."""
+    url = cluster.http_url
+    if row.outcome.startswith("refused"):
+        status, err = walk.post(url, walk.PATHS[kind], walk.body(kind, **{row.field: row.value}))
+        assert (status, err["error"]["param"]) == (400, row.field), err
+        assert row.field in err["error"]["message"]
+    elif row.outcome == "sampling":
+        with_field = {**row.base, row.field: row.value}
+        served = walk.outcome(walk.answer(url, kind, **with_field), kind)
+        assert served != walk.outcome(walk.answer(url, kind, **row.base), kind)
+        assert served == offline_outcome(offline_llm, kind, with_field)
+    else:
+        walk.check_for(row.field, kind)(url, kind, row)
+
+
+def test_unknown_fields_are_refused_by_name_through_the_openai_client(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                         extra_body={"frobnicate": True})
+    assert e.value.body["param"] == "frobnicate" and "unknown field" in e.value.body["message"]
+
+
+def test_stop_reason_min_tokens_and_stop_token_ids_through_the_openai_client(openai_client):
+    r = openai_client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=8, temperature=0,
+        extra_body={"logit_bias": {"65": 100}, "stop_token_ids": [65], "min_tokens": 2})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == 65
+    assert r.usage.completion_tokens == 3  # 2 tokens held to min_tokens, then the stop token
+    r = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stop=["AA"],
+        logit_bias={"65": 100}, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == "AA"
+    assert r.choices[0].model_extra["stop_reason"] == "AA"
+
+
+def test_streamed_chunks_carry_usage_with_continuous_usage_stats(openai_client):
+    stream = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counted[-1] == 5 and counted == sorted(counted)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_tokenize_counts_the_prompt_tokens_the_endpoints_bill(cluster, openai_client):
+    url = cluster.http_url
+    status, tok = walk.post(url, "/tokenize", {"model": MODEL, "prompt": "Hello world",
+                                               "return_token_strs": True})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == 11
+    assert tok["max_model_len"] == 2048 and "".join(tok["token_strs"]) == "HelloĠworld"
+    r = openai_client.completions.create(model=MODEL, prompt="Hello world", max_tokens=1)
+    assert r.usage.prompt_tokens == tok["count"]
+    status, chat = walk.post(url, "/tokenize", {"model": MODEL, "messages": MESSAGES})
+    r = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert status == 200 and chat["count"] == r.usage.prompt_tokens
+    status, text = walk.post(url, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]})
+    assert (status, text) == (200, {"prompt": "Hello world"})
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_by_name(cluster, path, body, param):
+    status, err = walk.post(cluster.http_url, path, {"model": MODEL, **body})
+    assert (status, err["error"]["param"]) == (400, param), err
+
+
+def test_version(cluster):
+    import kvmesh
+
+    with urllib.request.urlopen(cluster.http_url + "/version", timeout=30) as resp:
+        assert json.load(resp) == {"version": kvmesh.__version__}
+
+
+def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_client):
+    openai_client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stream = openai_client.completions.create(model=MODEL, prompt="leave early", max_tokens=1500,
+                                              temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    grpc_stream_ = grpc_stream(cluster.grpc_target, prompt="abort me", max_tokens=1500,
+                               request_id="metrics-abort", temperature=0.0)
+    next(grpc_stream_)
+    assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="metrics-abort")).found
+    assert list(grpc_stream_)[-1].finish_reason == "abort"
+    abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
+    deadline = time.monotonic() + 15
+    while metrics(cluster).get(abort, 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = metrics(cluster)
+    assert found[abort] >= 2  # the HTTP disconnect and the gRPC Abort
+    assert found[f'kvmesh_requests_aborted_total{{model="{MODEL}"}}'] >= 2
+    assert found[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1
+    names = {k.split("{")[0] for k in found}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in names, name
+    assert found[f'vllm:request_queue_time_seconds_count{{model_name="{MODEL}"}}'] >= 1
+
+
+def test_grpc_health_v1_follows_the_workers(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvmesh.v1.Generation"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def test_grpc_takes_the_sampling_fields_and_returns_stop_reason(cluster):
+    responses = list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=8, temperature=0.0,
+                                 logit_bias={65: 100.0}, stop_token_ids=[65], min_tokens=2,
+                                 include_stop_str_in_output=True))
+    last = responses[-1]
+    assert last.finish_reason == "stop" and last.WhichOneof("stop_reason") == "stop_token_id"
+    assert last.stop_token_id == 65 and last.usage.completion_tokens == 3
+    assert "".join(r.text for r in responses).endswith("A")
+    responses = list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=8, temperature=0.0,
+                                 logit_bias={65: 100.0}, stop=["AA"], presence_penalty=0.5))
+    assert responses[-1].stop_string == "AA" and "".join(r.text for r in responses) == ""
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="hi", min_tokens=20, max_tokens=4))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
+
+
+def test_a_client_that_leaves_a_stream_of_several_prompts_aborts_them_all(cluster, openai_client):
+    stream = openai_client.completions.create(model=MODEL, prompt=["go on", "and on", "forever"],
+                                              max_tokens=1500, temperature=0, stream=True)
+    next(iter(stream))
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
+    stream.close()
+    deadline = time.monotonic() + 15  # 3 x ~1500 tokens would take far longer than this
+    while time.monotonic() < deadline:
+        if sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0:
+            break
+        time.sleep(0.1)
+    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
+
+
+# ---- n > 1, best_of, echo, prompt_logprobs (issue 14 points 3-4) ----------------------------------
+
+def test_n3_gives_three_choices_each_as_a_request_with_seed_plus_index(openai_client, offline_llm):
+    from kvmesh import SamplingParams
+
+    r = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                              temperature=0.8, seed=SEED, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    expected = [offline_llm.chat(MESSAGES, SamplingParams(max_tokens=24, temperature=0.8, seed=SEED + i),
+                                 use_tqdm=False)[0] for i in range(3)]
+    assert [c.message.content for c in r.choices] == [e.text for e in expected]
+    assert len({c.message.content for c in r.choices}) > 1
+    assert r.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+
+
+def test_streamed_n3_completion_has_a_choice_index_per_sequence(openai_client):
+    body = dict(model=MODEL, prompt="The sea is", max_tokens=12, temperature=0.8, seed=SEED, n=3)
+    whole = openai_client.completions.create(**body)
+    texts, finishes = {}, {}
+    for chunk in openai_client.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert sorted(finishes) == [0, 1, 2]
+
+
+def test_best_of_returns_n_choices_and_is_refused_with_stream(cluster, openai_client):
+    r = openai_client.completions.create(model=MODEL, prompt="The sea is", max_tokens=8,
+                                         temperature=1.0, seed=SEED, n=2, best_of=4,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 4 * 8, "every generated sequence counts"
+    code, err, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3,
+                                                     "stream": True})
+    assert (code, err["error"]["param"]) == (400, "best_of")
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(openai_client, offline_llm):
+    from kvmesh import SamplingParams
+
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                         logprobs=1, echo=True)
+    choice, n_prompt = r.choices[0], r.usage.prompt_tokens
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    offline = offline_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                            prompt_logprobs=1), use_tqdm=False)[0]
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(offline.prompt_logprobs.logprobs[1:], abs=1e-4)
+    assert all(max(top.values()) >= value - 1e-6
+               for top, value in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+
+
+def test_streamed_echo_sends_the_prompt_first(openai_client):
+    chunks = list(openai_client.completions.create(model=MODEL, prompt="abc abc", max_tokens=3,
+                                                   temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text == "abc abc"
+    assert "".join(c.choices[0].text for c in chunks).startswith("abc abc")
+
+
+def test_vllm_prompt_logprobs_rank_each_prompt_token(cluster):
+    code, body, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "hello there",
+                                                      "max_tokens": 1, "prompt_logprobs": 2})
+    assert code == 200
+    scores = body["choices"][0]["prompt_logprobs"]
+    assert len(scores) == body["usage"]["prompt_tokens"] and scores[0] is None
+    for entry in scores[1:]:
+        assert {1, 2} <= {v["rank"] for v in entry.values()}, "the top 2, and the prompt token"
+        assert all(v["logprob"] <= 0 for v in entry.values())
+    code, chat, _ = post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                           "max_tokens": 1, "prompt_logprobs": 0})
+    assert code == 200 and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_grpc_n2_streams_messages_of_both_indices(cluster):
+    msgs = list(grpc_stream(cluster.grpc_target, prompt="The sea is", max_tokens=6,
+                            temperature=0.8, seed=SEED, n=2))
+    assert {m.index for m in msgs if m.token_ids} == {0, 1}
+    assert sorted(m.index for m in msgs if m.finish_reason) == [0, 1]
+    assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="x", max_tokens=2, n=1, best_of=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "best_of" in e.value.details()
+
+
+def test_lm_eval_runs_a_loglikelihood_and_a_generate_until_task(cluster, tmp_path):
+    """bench/lm_eval_local.py (docs/SERVING.md) against the served model, on the shipped tasks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("lm_eval", reason="lm-eval is the [eval] extra: pip install -e '.[eval]'")
+    from kvmesh.worker.presets import PRESETS, build_byte_tokenizer
+
+    build_byte_tokenizer(PRESETS[MODEL.split(":")[1]]["vocab_size"]).save_pretrained(tmp_path / "tok")
+    script = Path(__file__).resolve().parents[2] / "bench" / "lm_eval_local.py"
+    out = tmp_path / "results.json"
+    run = subprocess.run([sys.executable, str(script), "--base-url", cluster.http_url,
+                          "--tokenizer", str(tmp_path / "tok"), "--model", MODEL, "--limit", "4",
+                          "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert 0 <= results["kvmesh_capitals"]["acc,none"] <= 1
+    assert 0 <= results["kvmesh_addition"]["exact_match,first_number"] <= 1
+    assert results["kvmesh_capitals"]["sample_len"] == results["kvmesh_addition"]["sample_len"] == 4
 
 
 # ---- faults (last: it kills a replica) ------------------------------------------------------------

@@ -36,7 +36,9 @@ HTTP_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_toke
                "top_p", "top_k", "min_p", "seed", "stop", "n", "stream", "stream_options", "user",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                "logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "best_of",
-               "suffix")
+               "suffix", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
+               "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+               "tool_choice", "parallel_tool_calls", "function_call")
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,17 @@ FIELDS = {
     "tools": json_value, "logit_bias": json_value, "echo": st.booleans() | json_value,
     "max_completion_tokens": st.integers(-1, MAX_OUTPUT + 2) | json_value,
     "top_logprobs": st.integers(-1, 25) | json_value,
+    "prompt_logprobs": st.integers(-1, 25) | json_value, "best_of": st.integers(-1, 4) | json_value,
+    # structured outputs and tools (cluster/structured_request.py, cluster/tool_calls.py)
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | json_value},
+        optional={"json_schema": st.fixed_dictionaries({"schema": json_value})}) | json_value,
+    "structured_outputs": st.fixed_dictionaries({}, optional={
+        "regex": any_text | json_value, "choice": st.lists(any_text, max_size=3) | json_value,
+        "json": json_value, "grammar": any_text}) | json_value,
+    "guided_regex": any_text | json_value, "guided_choice": st.lists(any_text, max_size=3) | json_value,
+    "guided_json": json_value,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_value,
 }
 
 completion_body = st.fixed_dictionaries(

@@ -160,3 +160,23 @@ def test_reflection_when_turned_on_lists_the_service_even_without_a_key(cluster)
             list_services="")]), timeout=30))
     services = {s.name for s in answers[0].list_services_response.service}
     assert "kvmesh.v1.Generation" in services
+
+
+def test_reflection_v1_is_served_beside_v1alpha(cluster):
+    """grpc.reflection.v1 has v1alpha's messages under another name: the same stubs' messages
+    on the v1 method path. It lists Generation and the standard health service."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        answers = list(call(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvmesh.v1.Generation"),
+        ]), timeout=30))
+    services = {s.name for s in answers[0].list_services_response.service}
+    assert {"kvmesh.v1.Generation", "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection"} <= services
+    assert answers[1].file_descriptor_response.file_descriptor_proto  # the service's .proto

@@ -120,6 +120,12 @@ BAD_VALUES = {
                                                                      "env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}]}}},
                                 "additionalWorkerGroups.h200.env sets RAY_AUTH_MODE, which the chart sets on every Ray "
                                 "container from rayAuth.mode"),
+    "stream-idle-timeout-env-overridden": ({"head": {"env": [{"name": "KVMESH_STREAM_IDLE_TIMEOUT_S", "value": "0"}]}},
+                                           "head.env sets KVMESH_STREAM_IDLE_TIMEOUT_S, which the chart sets on every "
+                                           "Ray container from kvmesh.server.stream_idle_timeout_s"),
+    "worker-hook-env-overridden": ({"worker": {"env": [{"name": "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR", "value": "x.y"}]}},
+                                   "worker.env sets __RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR, which the chart sets on "
+                                   "every Ray container from kvmesh's worker hook"),
     "grpc-message-size-not-a-number": ({"serve": {"grpcMaxMessageBytes": "4MiB"}},
                                        "/serve/grpcMaxMessageBytes': got string, want integer"),
     "grpc-message-size-beyond-grpc": ({"serve": {"grpcMaxMessageBytes": 2**31}}, "/serve/grpcMaxMessageBytes': maximum"),

@@ -34,6 +34,19 @@ def test_offline_smoke(capsys):
     assert r["output_tok_per_s"] > 0 and r["total_tok_per_s"] > r["output_tok_per_s"]
     assert 0 < r["floor_ratio"] < 1 and r["floor_seconds"] > 0
     assert r["steps"] >= max(expected.max_tokens)  # one step per output token of the longest request
+    assert r["structured_outputs"] == "none" and r["grammar_completed"] == 0
+
+
+def test_offline_with_structured_outputs_masks_every_request(capsys):
+    """The lead's GPU comparison runs this with and without --structured-outputs json."""
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "6", "--max-input-len", "24",
+                          "--max-output-len", "40", "--min-len", "4", "--structured-outputs", "json",
+                          "--json"])
+    expected = nano_vllm_workload(6, 24, 40, 4)
+    assert r["structured_outputs"] == "json" and r["output_tok_per_s"] > 0
+    # the tiny byte vocabulary makes closing the JSON likely: some requests end by their grammar
+    assert r["grammar_completed"] > 0
+    assert 0 < r["output_tokens"] < expected.num_output_tokens
 
 
 def test_offline_runs_the_transformers_peer_on_the_same_workload(capsys, tmp_path, monkeypatch):

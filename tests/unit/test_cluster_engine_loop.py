@@ -198,3 +198,40 @@ def test_a_consumer_that_fell_behind_gets_what_is_waiting_as_one_delta():
     assert coalesce(merged, tail) is merged and tail.qsize() == 1
     with pytest.raises(ValueError, match="request_id"):
         deltas[0].followed_by(dataclasses.replace(deltas[1], request_id="other"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_n3_request_streams_every_sequence_and_counts_their_tokens(mode):
+    """Parallel sampling through the transports: one stream carries the three sequences' deltas
+    (by index); it ends with the last sequence, and every sequence's tokens are counted."""
+    async def body(loop):
+        params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+        deltas = await drain(loop.submit(EngineRequest("g", list(range(10)), params)))
+        tokens = {i: sum(len(d.token_ids) for d in deltas if d.index == i) for i in range(3)}
+        assert tokens == {0: 5, 1: 5, 2: 5}
+        assert sorted(d.index for d in deltas if d.finish_reason) == [0, 1, 2]
+        assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+        assert loop.stats.generation_tokens == 15 and loop.stats.finished == 1
+        assert loop.num_streams == 0
+    run_with_loop(mode, body)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_structured_outputs_cross_the_transport_and_compile_on_the_engine_side(mode):
+    """The spec travels as plain data (pickled to a child process); the engine compiles it off
+    its step and masks the row; one that does not compile ends its request as an invalid one."""
+    from kvmesh.structured_outputs import StructuredOutputs
+
+    async def body(loop):
+        choice = SamplingParams(max_tokens=20, temperature=1.0, seed=5,
+                                structured_outputs=StructuredOutputs(choice=["alpha", "beta"]))
+        plain = loop.submit(EngineRequest("plain", list(range(30)), GREEDY))
+        deltas = await drain(loop.submit(EngineRequest("c", list(range(40)), choice)))
+        assert "".join(d.text for d in deltas) in ("alpha", "beta")
+        assert deltas[-1].finish_reason == "stop"
+        assert (await drain(plain))[-1].finish_reason == "length"
+        bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="(a"))
+        refused = await drain(loop.submit(EngineRequest("bad", list(range(10)), bad)))
+        assert refused[-1].finish_reason == "error"
+        assert refused[-1].error.startswith("invalid_request: structured_outputs.regex")
+    run_with_loop(mode, body)

@@ -385,3 +385,40 @@ def _replica_source() -> str:
     from ray.serve._private import replica
 
     return Path(replica.__file__).read_text()
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_every_node_starts_ray_with_kvmeshs_worker_hook(name):
+    from kvmesh.cluster.ray_patches import NODE_ENV
+
+    for command in ray_start_commands(prepared(name)).values():
+        env = ray_start_env(command)
+        for variable, value in NODE_ENV.items():
+            assert env[variable] == value
+
+
+def test_the_node_hook_variable_is_the_one_rays_default_worker_runs():
+    from ray._private import ray_constants
+    from ray._private.workers import default_worker
+
+    from kvmesh.cluster.ray_patches import HOOK, SETUP_HOOK_ENV
+
+    assert ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR == SETUP_HOOK_ENV
+    assert "os.getenv(\n        ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR" in Path(default_worker.__file__).read_text()
+    module, function = HOOK.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_patches_without_their_settings_apply_the_serving_config_defaults():
+    """A node that names only the hook (no KVMESH_* variable) gets server.*'s defaults."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    done = subprocess.run([sys.executable, "-c",
+                           "from kvmesh.cluster import serve_http_limits as h, stream_idle_timeout as s\n"
+                           "h.apply()\n"
+                           "print(h.PROXY_PROTOCOL.max_header_bytes, h.PROXY_PROTOCOL.header_timeout_s, s.DEFAULT_TIMEOUT_S)\n"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    server = serving.ServerSection()
+    assert out.split() == [str(server.max_header_bytes), str(server.header_timeout_s),
+                           str(server.stream_idle_timeout_s)]

@@ -30,6 +30,29 @@ CONTRACT_METRICS = {
     "kvmesh_kv_usage_ratio": ("gauge", ("worker",)),
     "kvmesh_prefix_hit_rate": ("gauge", ("worker",)),
     "kvmesh_replicas": ("gauge", ("deployment",)),
+    # vLLM's names and labels, exported too (docs/METRICS.md): the dashboard reads either
+    "vllm:request_success_total": ("counter", ("model_name", "finished_reason")),
+    "vllm:generation_tokens_total": ("counter", ("model_name",)),
+    "vllm:prompt_tokens_total": ("counter", ("model_name",)),
+    "vllm:prefix_cache_hits_total": ("counter", ("model_name",)),
+    "vllm:time_to_first_token_seconds": ("histogram", ("model_name",)),
+    "vllm:inter_token_latency_seconds": ("histogram", ("model_name",)),
+    "vllm:e2e_request_latency_seconds": ("histogram", ("model_name",)),
+    "vllm:num_requests_waiting": ("gauge", ("model_name", "engine")),
+    "vllm:num_requests_running": ("gauge", ("model_name", "engine")),
+    "vllm:kv_cache_usage_perc": ("gauge", ("model_name", "engine")),
+}
+# kvmesh metric -> the vLLM metric a panel falls back to on a server that exports only vLLM's names
+VLLM_EQUIVALENT = {
+    "kvmesh_generation_tokens_total": "vllm:generation_tokens_total",
+    "kvmesh_prompt_tokens_total": "vllm:prompt_tokens_total",
+    "kvmesh_cached_prompt_tokens_total": "vllm:prefix_cache_hits_total",
+    "kvmesh_request_ttft_seconds": "vllm:time_to_first_token_seconds",
+    "kvmesh_request_tpot_seconds": "vllm:inter_token_latency_seconds",
+    "kvmesh_request_e2e_seconds": "vllm:e2e_request_latency_seconds",
+    "kvmesh_queue_depth": "vllm:num_requests_waiting",
+    "kvmesh_running_requests": "vllm:num_requests_running",
+    "kvmesh_kv_usage_ratio": "vllm:kv_cache_usage_perc",
 }
 # What the dashboard must show, as the metrics that carry it.
 REQUIRED_VIEWS = {
@@ -45,6 +68,7 @@ SERIES_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
 PROMQL_WORDS = {
     "sum", "by", "without", "rate", "irate", "increase", "histogram_quantile", "clamp_min", "clamp_max",
     "avg", "max", "min", "count", "le", "label_values", "on", "ignoring", "group_left", "topk", "bottomk",
+    "or",
 }
 
 
@@ -201,3 +225,16 @@ def test_every_dashboard_metric_is_exported_by_the_cluster_code():
 def test_the_cluster_code_exports_the_contract_metrics_with_their_labels():
     exported = _exported_by_cluster_code()
     assert {name: exported.get(name) for name in CONTRACT_METRICS} == CONTRACT_METRICS
+
+
+def test_every_view_works_on_vllm_names_too():
+    """A panel of a kvmesh metric that vLLM also exports reads the vLLM one when the kvmesh one is
+    absent (`kvmesh... or vllm:...`), and the variables come from vLLM's names, which kvmesh
+    exports as well: the dashboard works against kvmesh and against a vLLM server."""
+    for where, expr in queries(load_dashboard()):
+        names = metric_names(expr)
+        if where.startswith("variable"):
+            assert all(n.startswith("vllm:") for n in names), where
+            continue
+        for name in names & set(VLLM_EQUIVALENT):
+            assert VLLM_EQUIVALENT[name] in names and " or " in expr, where

@@ -345,3 +345,21 @@ def test_serve_config_v2_is_what_kvmesh_serve_emits_for_the_same_config():
         for application in document["applications"]:
             application["args"] = serving.parse_config(application["args"]).to_dict()
     assert rendered == emitted
+
+
+def test_every_ray_container_runs_kvmeshs_worker_hook_with_the_server_settings():
+    from kvmesh.cluster.ray_patches import NODE_ENV
+
+    values = {"kvmesh": {"server": {"host": "::", "max_header_bytes": 32768, "header_timeout_s": 5.0,
+                                    "stream_idle_timeout_s": 12.5}}}
+    for env in _ray_container_envs(values).values():
+        for name, value in NODE_ENV.items():
+            assert env[name]["value"] == value
+        assert env["KVMESH_LISTEN_HOST"]["value"] == "::"
+        assert env["KVMESH_MAX_HEADER_BYTES"]["value"] == "32768"
+        assert float(env["KVMESH_HEADER_TIMEOUT_S"]["value"]) == 5.0
+        assert float(env["KVMESH_STREAM_IDLE_TIMEOUT_S"]["value"]) == 12.5
+    for env in _ray_container_envs(None).values():  # the defaults: the serving config's
+        assert env["KVMESH_LISTEN_HOST"]["value"] == "0.0.0.0"
+        assert env["KVMESH_MAX_HEADER_BYTES"]["value"] == "65536"
+        assert float(env["KVMESH_STREAM_IDLE_TIMEOUT_S"]["value"]) == 30.0

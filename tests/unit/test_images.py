@@ -70,3 +70,12 @@ def test_the_build_context_leaves_out_the_environment_and_the_history():
     assert {".git", ".venv", "**/.venv", "**/__pycache__", "tests", ".whl-*"} <= ignored
     copied = {args.split()[0] for flavor in DOCKERFILES for op, args in instructions(DOCKERFILES[flavor]) if op == "COPY"}
     assert not copied & ignored  # nothing the recipes copy is left out of the context
+
+
+@pytest.mark.parametrize("flavor", list(DOCKERFILES))
+def test_a_ray_started_in_the_image_runs_kvmeshs_worker_hook(flavor):
+    from kvmesh.cluster.ray_patches import NODE_ENV
+
+    env = " ".join(args for op, args in instructions(DOCKERFILES[flavor]) if op == "ENV")
+    for name, value in NODE_ENV.items():
+        assert f"{name}={value}" in env.split()

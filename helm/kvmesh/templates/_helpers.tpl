@@ -89,6 +89,9 @@ grpc_options:
   port: {{ .Values.kvmesh.server.grpc_port }}
   grpc_servicer_functions:
     {{- toYaml .Values.serve.grpcServicerFunctions | nindent 4 }}
+    {{- if .Values.kvmesh.server.grpc_reflection }}
+    - kvmesh.cluster.grpc_health.add_reflection_v1
+    {{- end }}
   enable_reflection: {{ .Values.kvmesh.server.grpc_reflection }}
 {{- end }}
 applications:
@@ -209,6 +212,26 @@ container lacks), so the rendered pods say it and a named Secret reaches them wh
 {{- end }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ .Values.serve.grpcMaxMessageBytes | int64 | toString | quote }}
+{{- include "kvmesh.patchesEnv" . }}
+{{- end }}
+
+{{/*
+kvmesh's worker hook (cluster/ray_patches.py) in every Ray worker process of every pod, by Ray's
+own variable for a worker setup hook, so Serve's proxies and replicas that KubeRay's RayService
+starts get the patches (request-head limits, stream idle timeout, gRPC cancel and decode, binds),
+with the settings of kvmesh.server.
+*/}}
+{{- define "kvmesh.patchesEnv" }}
+- name: __RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+  value: kvmesh.cluster.ray_patches.setup_worker
+- name: KVMESH_LISTEN_HOST
+  value: {{ .Values.kvmesh.server.host | quote }}
+- name: KVMESH_MAX_HEADER_BYTES
+  value: {{ .Values.kvmesh.server.max_header_bytes | int64 | toString | quote }}
+- name: KVMESH_HEADER_TIMEOUT_S
+  value: {{ .Values.kvmesh.server.header_timeout_s | toString | quote }}
+- name: KVMESH_STREAM_IDLE_TIMEOUT_S
+  value: {{ .Values.kvmesh.server.stream_idle_timeout_s | toString | quote }}
 {{- end }}
 
 {{- define "kvmesh.apiKeysEnv" -}}

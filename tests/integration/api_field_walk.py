@@ -1,0 +1,221 @@
+"""The schema walk against a real `kvmesh serve` (tests/api_field_table.py's rows): the helpers
+test_cluster_serving.py's walk uses, and the checks of the rows whose outcome is "check"."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+from api_field_table import CHAT, SAMPLED
+
+MODEL = "random:tiny-llama"
+PROMPT_IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+MESSAGES = [{"role": "user", "content": "Hello world"}]
+PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+def post(url, path, body, timeout=120):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read().decode()
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                return resp.status, sse_events(raw)
+            return resp.status, json.loads(raw)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def sse_events(raw: str) -> list[dict]:
+    events = [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def body(kind: str, **fields) -> dict:
+    base = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    if kind == CHAT:
+        base["messages"] = MESSAGES
+    else:
+        base["prompt"] = PROMPT_IDS
+    return {**base, **fields}
+
+
+def answer(url, kind, **fields) -> dict:
+    status, response = post(url, PATHS[kind], body(kind, **fields))
+    assert status == 200, response
+    return response
+
+
+def outcome(response: dict, kind: str) -> tuple:
+    """What a choice says: text, finish_reason, stop_reason."""
+    choice = response["choices"][0]
+    text = choice["message"]["content"] if kind == CHAT else choice["text"]
+    return text, choice["finish_reason"], choice.get("stop_reason")
+
+
+def streamed_text(events: list[dict], kind: str, index: int = 0) -> str:
+    parts = []
+    for event in events:
+        for choice in event["choices"]:
+            if choice["index"] == index:
+                parts.append((choice["delta"].get("content") or "") if kind == CHAT
+                             else choice["text"])
+    return "".join(parts)
+
+
+# ---- the "check" rows ---------------------------------------------------------------------------
+
+def check_model(url, kind, row):
+    assert answer(url, kind, model=row.value)["model"] == MODEL
+    status, err = post(url, PATHS[kind], body(kind, model="no-such-model"))
+    assert (status, err["error"]["param"]) == (404, "model")
+
+
+def check_max_tokens(url, kind, row):
+    response = answer(url, kind, ignore_eos=True, **{"max_tokens": None, row.field: row.value})
+    assert response["usage"]["completion_tokens"] == row.value
+
+
+def check_equals_greedy(url, kind, row):
+    greedy = outcome(answer(url, kind), kind)
+    assert outcome(answer(url, kind, **SAMPLED), kind) != greedy
+    assert outcome(answer(url, kind, **SAMPLED, **{row.field: row.value}), kind) == greedy
+
+
+def check_stream(url, kind, row):
+    status, events = post(url, PATHS[kind], body(kind, stream=True))
+    assert status == 200
+    assert streamed_text(events, kind) == outcome(answer(url, kind), kind)[0]
+
+
+def check_stream_options(url, kind, row):
+    status, events = post(url, PATHS[kind], body(kind, stream=True, ignore_eos=True,
+                                                 stream_options=row.value))
+    assert status == 200
+    chunks = [e for e in events
+              if e["choices"] and "role" not in e["choices"][0].get("delta", {})]
+    assert chunks and all(e["usage"] is not None for e in chunks)  # continuous_usage_stats
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] == 8
+    final = events[-1]  # include_usage
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 8
+
+
+def check_user(url, kind, row):
+    # `user` is the session routing key (routing.policy session); the answer is the same
+    assert outcome(answer(url, kind, user=row.value), kind) == outcome(answer(url, kind), kind)
+
+
+def check_completion_logprobs(url, kind, row):
+    logprobs = answer(url, kind, logprobs=row.value)["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) > 0
+    # keyed by token text: two byte tokens that both decode to U+FFFD share one key
+    assert all(1 <= len(top) <= row.value for top in logprobs["top_logprobs"])
+    assert any(len(top) == row.value for top in logprobs["top_logprobs"])
+
+
+def check_chat_logprobs(url, kind, row):
+    response = answer(url, kind, **row.base, **{row.field: row.value})
+    content = response["choices"][0]["logprobs"]["content"]
+    assert len(content) == response["usage"]["completion_tokens"]
+    if row.field == "top_logprobs":
+        assert all(len(c["top_logprobs"]) == row.value for c in content)
+
+
+def check_prompts(url, kind, row):
+    alone = [outcome(answer(url, kind, prompt=p), kind) for p in row.value]
+    response = answer(url, kind, prompt=row.value)
+    assert [c["index"] for c in response["choices"]] == list(range(len(row.value)))
+    assert [outcome({"choices": [c]}, kind) for c in response["choices"]] == alone
+    assert response["usage"]["prompt_tokens"] == sum(len(p) for p in row.value)
+    status, events = post(url, PATHS[kind], body(kind, prompt=row.value, stream=True))
+    assert status == 200
+    assert [streamed_text(events, kind, i) for i in range(len(row.value))] == [a[0] for a in alone]
+
+
+def check_messages(url, kind, row):
+    response = answer(url, kind, messages=row.value)
+    assert response["usage"]["prompt_tokens"] != answer(url, kind)["usage"]["prompt_tokens"]
+
+
+def check_n(url, kind, row):
+    response = answer(url, kind, n=row.value, temperature=1.0, seed=7)
+    assert [c["index"] for c in response["choices"]] == list(range(row.value))
+    alone = [outcome(answer(url, kind, temperature=1.0, seed=7 + i), kind) for i in range(row.value)]
+    assert [outcome({"choices": [c]}, kind) for c in response["choices"]] == alone  # seed + i
+
+
+def check_best_of(url, kind, row):
+    response = answer(url, kind, best_of=row.value, temperature=1.0, seed=7, ignore_eos=True)
+    assert len(response["choices"]) == 1
+    assert response["usage"]["completion_tokens"] == row.value * 8  # every sequence generated
+
+
+def check_echo(url, kind, row):
+    response = answer(url, kind, prompt="abc", echo=row.value)
+    assert response["choices"][0]["text"].startswith("abc")
+    assert response["choices"][0]["text"] == "abc" + answer(url, kind, prompt="abc")["choices"][0]["text"]
+
+
+def check_prompt_logprobs(url, kind, row):
+    response = answer(url, kind, prompt_logprobs=row.value)
+    scores = response.get("prompt_logprobs") if kind == CHAT else response["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == response["usage"]["prompt_tokens"]
+    assert all(len(s) >= 1 for s in scores[1:])
+
+
+def check_structured(url, kind, row):
+    """The output follows the constraint (the tiny random model says anything otherwise)."""
+    response = answer(url, kind, max_tokens=40, **row.base, **{row.field: row.value})
+    text = outcome(response, kind)[0]
+    spec = row.value if row.field != "guided_decoding_backend" else row.base["guided_choice"]
+    if row.field in ("guided_choice", "guided_decoding_backend") or (
+            row.field == "structured_outputs" and "choice" in spec):
+        choices = spec if isinstance(spec, list) else spec["choice"]
+        assert text in choices, text
+    elif row.field == "guided_regex":
+        assert re.fullmatch(row.value, text), text
+    elif row.field == "guided_grammar":
+        assert text == "a", text
+    else:  # JSON: response_format json_object, guided_json {"type": "object"}
+        assert text.lstrip().startswith("{"), text
+        assert text != outcome(answer(url, kind, max_tokens=40), kind)[0]
+
+
+def check_tool_call(url, kind, row):
+    """A required call of the one tool: the answer is a call of f, not prose."""
+    response = answer(url, kind, max_tokens=64, **row.base, **{row.field: row.value})
+    choice = response["choices"][0]
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    if row.field == "parallel_tool_calls":  # one call: the grammar ends after it
+        assert [c["function"]["name"] for c in calls] == ["f"], message
+        return
+    if calls:
+        assert {c["function"]["name"] for c in calls} == {"f"}, message
+    else:  # parallel calls allowed: the random model may list calls until max_tokens cuts the array
+        assert choice["finish_reason"] == "length", choice
+        assert message["content"].startswith('[{"name": "f"'), message
+
+
+CHECKS = {
+    "response_format": check_structured, "structured_outputs": check_structured,
+    "guided_json": check_structured, "guided_regex": check_structured, "guided_choice": check_structured,
+    "guided_grammar": check_structured, "guided_decoding_backend": check_structured,
+    "tools": check_tool_call, "tool_choice": check_tool_call, "parallel_tool_calls": check_tool_call,
+    "n": check_n, "best_of": check_best_of, "echo": check_echo, "prompt_logprobs": check_prompt_logprobs,
+    "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
+    "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
+    "stream": check_stream, "stream_options": check_stream_options, "user": check_user,
+    "prompt": check_prompts, "messages": check_messages,
+    ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,
+    "top_logprobs": check_chat_logprobs,
+}
+
+
+def check_for(field: str, kind: str):
+    return CHECKS.get((field, kind)) or CHECKS[field]

@@ -1,0 +1,150 @@
+"""The worker hook's patches (cluster/ray_patches.py) on a Ray cluster that `kvmesh serve` did not
+start (docs/SERVING.md "What the patches cover"; docs/DEPLOY.md).
+
+A Ray head starts on 127.0.0.1 with exactly the environment of deploy/aws.yaml's head `ray start`
+(its NODE_ENV included), in a PID namespace of its own (test_fake_cluster.PidNamespace), as
+test_ray_token_auth.py starts it. Then a plain driver, which sets no runtime_env and no kvmesh
+variable, starts Serve's proxies as `serve deploy` or KubeRay's RayService would: the HTTP proxy
+answers a request head over 64 KiB with 431, a limit only the patch gives it (Serve's own proxy
+reads the whole head and answers it, here 404: no app). Without the node's hook variable, the same
+head gets 404 from the same kind of cluster, so the variable is what brings the limit.
+"""
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # deploy_support
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # raw_http
+
+from deploy_support import load, ray_start_commands, ray_start_env  # noqa: E402
+from raw_http import connect, request  # noqa: E402
+from test_fake_cluster import PidNamespace, free_port  # noqa: E402
+
+from kvmesh.cluster.ray_patches import SETUP_HOOK_ENV  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAX_HEADER_BYTES = 65_536  # server.max_header_bytes's default, what the patch applies unset
+
+# Serve's proxies as a deployment tool starts them: no runtime_env, nothing of kvmesh.
+DRIVER = """
+import sys
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="WARNING")
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
+print("proxies started", flush=True)
+"""
+
+
+@contextmanager
+def ray_head(tmp_path, with_hook: bool):
+    """A Ray head started as deploy/aws.yaml's head starts it (without its hook variable unless
+    `with_hook`); yields (namespace, GCS address, the environment of a client on the node)."""
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    head_env = {name: value.replace("$HOME", str(home))
+                for name, value in ray_start_env(ray_start_commands(load("aws.yaml"))["head"]).items()}
+    if not with_hook:
+        del head_env[SETUP_HOOK_ENV]
+    gcs_port = free_port()
+    ray_temp = tempfile.mkdtemp(prefix="kvp")  # Ray's socket paths must stay short
+    base_env = {name: value for name, value in os.environ.items()
+                if not name.startswith(("RAY_", "KVMESH_", "__RAY"))}
+    base_env |= {"HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    namespace = PidNamespace()
+    ray = str(Path(sys.executable).with_name("ray"))
+    try:
+        start = subprocess.run(namespace.command([
+            ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=4",
+            "--include-dashboard=false", f"--object-store-memory={100 << 20}", f"--temp-dir={ray_temp}"]),
+            env=base_env | head_env, capture_output=True, text=True, timeout=180)
+        assert start.returncode == 0, start.stdout + start.stderr
+        # a client of the cluster, as on a node's shell (deploy/aws.yaml's ~/.bashrc): the token only
+        client_env = base_env | {"RAY_AUTH_MODE": "token",
+                                 "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")}
+        yield namespace, f"127.0.0.1:{gcs_port}", client_env
+    finally:
+        namespace.close()
+        shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+@pytest.fixture(params=["node env of deploy/aws.yaml", "without the hook variable"])
+def serve_on_started_cluster(request, tmp_path):
+    http_port = free_port()
+    with ray_head(tmp_path, with_hook=request.param == "node env of deploy/aws.yaml") as (namespace, gcs, env):
+        driver = subprocess.run(namespace.command([sys.executable, "-c", DRIVER, gcs, str(http_port)]),
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert driver.returncode == 0 and "proxies started" in driver.stdout, driver.stderr[-3000:]
+        yield request.param, http_port
+
+
+def status_and_head(sock) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    return int(data.split()[1]), data
+
+
+def test_a_proxy_of_a_cluster_started_with_ray_start_answers_431_only_with_the_node_hook(serve_on_started_cluster):
+    case, port = serve_on_started_cluster
+    with connect(port) as sock:
+        sock.sendall(request("GET", "/v1/models", headers={"X-Fill": "a" * (2 * MAX_HEADER_BYTES)}))
+        status, body = status_and_head(sock)
+    if case == "node env of deploy/aws.yaml":
+        assert status == 431, body
+        assert b"max_header_bytes" in body
+    else:
+        assert status == 404, body  # Serve's own proxy read all of it
+    print(f"{case}: a {2 * MAX_HEADER_BYTES}-byte header -> {status}")
+    with connect(port) as sock:  # a head within the limit is served either way (no app: 404)
+        sock.sendall(request("GET", "/v1/models"))
+        assert status_and_head(sock)[0] == 404
+
+
+@pytest.mark.parametrize("node_hook", [False, True], ids=["nodes without the hook", "nodes with it (ray up)"])
+def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path, node_hook):
+    """`kvmesh serve --address`: the job's runtime_env carries the hook and the config's
+    server.max_header_bytes to the proxies it starts, whether the nodes name the hook (as
+    deploy/aws.yaml's do: the two agree) or not."""
+    max_header_bytes = 16_384
+    config = tmp_path / "kvmesh.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "random:tiny-llama", "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
+        "server": {"host": "127.0.0.1", "max_header_bytes": max_header_bytes}}))
+    http_port = free_port()
+    log = tmp_path / "serve.log"
+    with ray_head(tmp_path, with_hook=node_hook) as (namespace, gcs, env), open(log, "w") as out:
+        serve = subprocess.Popen(namespace.command([
+            sys.executable, "-m", "kvmesh.cli", "serve", str(config), "--address", gcs,
+            "--http-port", str(http_port), "--grpc-port", "0"]), env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 420
+            while "Ctrl-C stops it." not in log.read_text():
+                assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.5)
+            with connect(http_port) as sock:
+                sock.sendall(request("GET", "/v1/models", headers={"X-Fill": "a" * (max_header_bytes + 1024)}))
+                status, head = status_and_head(sock)
+            assert status == 431, head
+            with connect(http_port) as sock:  # within the config's limit: served by kvmesh
+                sock.sendall(request("GET", "/v1/models", headers={"X-Fill": "a" * (max_header_bytes // 2)}))
+                status, head = status_and_head(sock)
+            assert status == 200, head
+        finally:
+            serve.kill()  # nsenter; the namespace's close ends what it started
+            serve.wait(30)

@@ -1,0 +1,237 @@
+"""Structured outputs and tool calls end to end: `kvmesh serve` of the default model (SmolLM2) on
+the CPU, reached with the official openai client over HTTP on 127.0.0.1.
+
+One cluster for the module (starting one is the expensive part): add cases here.
+"""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvmesh.cluster.local import LocalCluster
+from test_cluster_serving import post
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+CITY = {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20},
+                       "population": {"type": "integer"},
+                       "capital": {"type": "boolean"}},
+        "required": ["city", "population", "capital"], "additionalProperties": False}
+ASK_CITY = [{"role": "user", "content": "Give the city, population and whether it is a capital, "
+                                        "for Paris, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(["--replicas", "1", "--device", "cpu", "--model", MODEL]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    import openai
+
+    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---- structured outputs ------------------------------------------------------------------------
+
+def test_response_format_json_schema_is_parsed_and_schema_valid(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+
+
+def test_streamed_json_schema_output_is_schema_valid(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), CITY)
+
+
+def test_response_format_json_object_gives_an_object(client):
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=60, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Answer in JSON: what is the capital of France?"}])
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_vllm_structured_outputs_choice_gives_one_of_the_choices(client):
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=10, temperature=0,
+        messages=[{"role": "user", "content": "Is Paris the capital of Italy?"}],
+        extra_body={"structured_outputs": {"choice": ["YES", "NO"]}})
+    assert r.choices[0].message.content in ("YES", "NO")
+
+
+def test_older_guided_regex_on_completions(client):
+    r = client.completions.create(model=MODEL, prompt="My phone number is ", max_tokens=20,
+                                  temperature=0.7, seed=1,
+                                  extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+
+
+STRUCTURED_ERRORS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_json": {"type": 7}}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+]
+
+
+@pytest.mark.parametrize("fields,param", STRUCTURED_ERRORS, ids=[p for _, p in STRUCTURED_ERRORS])
+def test_a_bad_constraint_is_a_400_naming_the_field(cluster, fields, param):
+    code, err, _ = post(cluster, "/v1/chat/completions",
+                        {"model": MODEL, "messages": ASK_CITY, "max_tokens": 4, **fields})
+    assert code == 400, err
+    assert err["error"]["param"] == param
+
+
+# ---- tool calls --------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_choice_is_parsed_into_tool_calls(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
+                                       temperature=0, tools=[WEATHER, TIME],
+                                       tool_choice=FORCE_WEATHER)
+    message = r.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert r.choices[0].finish_reason == "stop"  # a forced function ends as OpenAI's does
+
+
+def test_a_named_tool_choice_streams_tool_call_deltas(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
+                                            temperature=0, tools=[WEATHER, TIME],
+                                            tool_choice=FORCE_WEATHER, stream=True,
+                                            stream_options={"include_usage": True})
+    name, arguments, ids, content, reasons, usage = None, "", set(), "", [], None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            ids.add(tc.id) if tc.id else None
+            name = (tc.function.name if tc.function and tc.function.name else name)
+            arguments += (tc.function.arguments or "") if tc.function else ""
+    assert name == "get_weather" and len(ids) == 1 and content == ""
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    assert reasons[-1] == "stop"
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_tool_choice_auto_with_a_plain_answer_is_content_whole_and_streamed(client):
+    """The default model answers this in prose: no call parsed, the text is the content."""
+    ask = [{"role": "user", "content": "Say hello to me."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0,
+                                       tools=[WEATHER], logprobs=True)
+    message = r.choices[0].message
+    assert message.content and not message.tool_calls
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens  # kept when not streamed
+    assert r.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20,
+                                            temperature=0, tools=[WEATHER], stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+
+
+def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=80,
+                                       temperature=0, tools=[WEATHER, TIME],
+                                       tool_choice="required", parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0].function.name]
+    jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
+
+
+def test_tool_choice_required_streams_the_same_call(client):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=80, temperature=0,
+                  tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    name, arguments, reasons = None, "", []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            name = tc.function.name or name
+            arguments += tc.function.arguments or ""
+    assert name == whole.function.name
+    assert json.loads(arguments) == json.loads(whole.function.arguments)
+    assert reasons[-1] == "tool_calls"
+
+
+def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
+    from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
+    from kvmesh.cluster.tool_calls import parse_tools, render_chat
+    from kvmesh.worker.chat_template import encode_chat
+    from kvmesh.worker.loader import load_tokenizer
+    from types import SimpleNamespace
+
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=30,
+                                       temperature=0, tools=[WEATHER])
+    tokenizer = load_tokenizer(MODEL)[0]
+    ms = [ChatMessage.model_validate(m) for m in history]
+    tools = parse_tools(SimpleNamespace(tools=[WEATHER], tool_choice=None, parallel_tool_calls=None))
+    rendered, _ = render_chat(ms, chat_prompt_text(ms), tools, tokenizer)
+    assert r.usage.prompt_tokens == len(encode_chat(tokenizer, rendered))
+    assert "Sunny, 24 C" in rendered[-1]["content"] and "get_weather" in rendered[-2]["content"]
+    assert r.choices[0].message.content  # an answer, not an empty turn
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"tools": [WEATHER], "stream": True, "logprobs": True}, "logprobs"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+])
+def test_bad_tool_requests_name_the_field(cluster, fields, param):
+    code, err, _ = post(cluster, "/v1/chat/completions",
+                        {"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **fields})
+    assert code == 400, err
+    assert err["error"]["param"] == param

@@ -1,0 +1,66 @@
+"""The ingress's metrics under vLLM's names (docs/METRICS.md): a finished request observed once
+feeds each vllm: metric with the `model_name` label, worker gauges carry `engine`, and an abort
+is counted with finished_reason "abort"."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.cluster.metrics import IngressMetrics
+from kvmesh.protocol import TokenDelta, WorkerLoad
+
+MODEL = "tiny"
+
+
+def samples(metrics: IngressMetrics, loads=None, stats=None) -> dict:
+    text = metrics.render(loads or {}, stats or {}).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(found: dict, name: str, **labels) -> float:
+    return found[(name, tuple(sorted(labels.items())))]
+
+
+def test_a_finished_request_feeds_the_vllm_request_metrics():
+    m = IngressMetrics()
+    m.init_model(MODEL)
+    last = TokenDelta("r", [5], "", finish_reason="length", num_prompt_tokens=10,
+                      num_cached_tokens=4, arrival_time=100.0, scheduled_time=100.5,
+                      first_token_time=101.0)
+    m.observe_engine_times(MODEL, last, first_token=200.25, end=201.25, output_tokens=5,
+                           prompt_tokens=10, cached_tokens=4, arrival=200.0)
+    found = samples(m)
+    assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 1
+    assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="stop") == 0
+    assert value(found, "vllm:prompt_tokens_total", model_name=MODEL) == 10
+    assert value(found, "vllm:generation_tokens_total", model_name=MODEL) == 5
+    assert value(found, "vllm:prefix_cache_queries_total", model_name=MODEL) == 10
+    assert value(found, "vllm:prefix_cache_hits_total", model_name=MODEL) == 4
+    assert value(found, "vllm:time_to_first_token_seconds_sum", model_name=MODEL) == 0.25
+    assert value(found, "vllm:e2e_request_latency_seconds_sum", model_name=MODEL) == 1.25
+    assert value(found, "vllm:inter_token_latency_seconds_count", model_name=MODEL) == 4  # 4 gaps
+    assert value(found, "vllm:inter_token_latency_seconds_sum", model_name=MODEL) == 1.0
+    assert value(found, "vllm:request_queue_time_seconds_sum", model_name=MODEL) == 0.5
+    assert value(found, "vllm:request_prefill_time_seconds_sum", model_name=MODEL) == 0.5
+    assert value(found, "vllm:request_decode_time_seconds_sum", model_name=MODEL) == 1.0
+    assert value(found, "vllm:request_inference_time_seconds_sum", model_name=MODEL) == 1.5
+    assert value(found, "vllm:request_generation_tokens_count", model_name=MODEL) == 1
+
+
+def test_an_abort_is_counted_under_both_names():
+    m = IngressMetrics()
+    m.init_model(MODEL)
+    m.observe_abort(MODEL, prompt_tokens=3, output_tokens=1)
+    found = samples(m)
+    assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="abort") == 1
+    assert value(found, "kvmesh_requests_aborted_total", model=MODEL) == 1
+
+
+def test_worker_gauges_have_vllm_names_per_engine():
+    m = IngressMetrics()
+    m.init_model(MODEL)
+    loads = {"w1": WorkerLoad("w1", running=2, waiting=3, kv_free_blocks=25, kv_total_blocks=100)}
+    found = samples(m, loads, {"w1": {"preemptions": 7}})
+    assert value(found, "vllm:num_requests_running", model_name=MODEL, engine="w1") == 2
+    assert value(found, "vllm:num_requests_waiting", model_name=MODEL, engine="w1") == 3
+    assert value(found, "vllm:kv_cache_usage_perc", model_name=MODEL, engine="w1") == 0.75
+    assert value(found, "vllm:num_preemptions_total", model_name=MODEL, engine="w1") == 7
