@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 
 import grpc
@@ -34,6 +35,7 @@ from kvmesh.cluster.status import cluster_health
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.structured_outputs import StructuredOutputs
 
 MAX_LABEL_CHARS = 256  # a client's request_id is kept in memory while its request runs
 
@@ -63,6 +65,8 @@ def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -
                  "frequency_penalty", "repetition_penalty", "skip_special_tokens", "n", "best_of"):
         if req.HasField(name):
             kwargs[name] = getattr(req, name)
+    if req.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
     if req.HasField("best_of") and req.best_of != kwargs.get("n", 1):
         raise ApiError(400, "best_of must equal n on Generate: it streams, and the best sequences "
                        "are known only when all have finished (use /v1/completions)", param="best_of")
@@ -70,6 +74,29 @@ def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def structured_from_proto(spec: pb.StructuredOutputs) -> StructuredOutputs:
+    """The request's constraint as kvmesh's plain data; ApiError(400) naming the field when it
+    is not exactly one well-formed constraint."""
+    param = "structured_outputs"
+    schema = None
+    if spec.HasField("json_schema"):
+        param = "structured_outputs.json_schema"
+        try:
+            schema = json.loads(spec.json_schema)
+        except ValueError as e:
+            raise ApiError(400, f"{param}: not JSON ({e})", param=param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, f"{param}: a JSON schema is an object", param=param)
+    try:
+        return StructuredOutputs(
+            json=schema, json_object=spec.json_object,
+            regex=spec.regex if spec.HasField("regex") else None,
+            choice=list(spec.choice) or None,
+            grammar=spec.grammar if spec.HasField("grammar") else None)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
 def generation_request(request: pb.GenerateRequest, arrival: float,
@@ -147,6 +174,9 @@ class GrpcService:
         abort = self._in_flight[key] = asyncio.Event()
         try:
             try:
+                if request.HasField("structured_outputs"):  # compiled once here, off the loop
+                    await self.frontend.check_grammar(structured_from_proto(request.structured_outputs),
+                                                      "structured_outputs")
                 admitted = await self.pipeline.admit(generation_request(request, arrival, engine_id))
                 stream = await self.pipeline.stream(admitted, abort)
             except ApiError as e:

@@ -235,3 +235,38 @@ def test_bad_tool_requests_name_the_field(cluster, fields, param):
                         {"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **fields})
     assert code == 400, err
     assert err["error"]["param"] == param
+
+
+# ---- gRPC: GenerateRequest.structured_outputs ------------------------------------------------------
+
+def test_grpc_structured_outputs_choice_and_json_schema(cluster):
+    from kvmesh.cluster.client import grpc_stream
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    choice = list(grpc_stream(cluster.grpc_target, messages=[{"role": "user", "content": "Is Paris "
+                                                               "the capital of Italy?"}],
+                              max_tokens=10, temperature=0,
+                              structured_outputs=pb.StructuredOutputs(choice=["YES", "NO"])))
+    assert "".join(m.text for m in choice) in ("YES", "NO")
+    assert choice[-1].finish_reason == "stop"
+    schema = list(grpc_stream(cluster.grpc_target, messages=ASK_CITY, max_tokens=80, temperature=0,
+                              structured_outputs=pb.StructuredOutputs(json_schema=json.dumps(CITY))))
+    jsonschema.validate(json.loads("".join(m.text for m in schema)), CITY)
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"regex": "(a"}, "structured_outputs"),
+    ({"json_schema": "{not json"}, "structured_outputs.json_schema"),
+    ({"regex": "a+", "grammar": "root ::= \"a\""}, "structured_outputs"),
+])
+def test_grpc_bad_structured_outputs_are_invalid_argument_naming_the_field(cluster, spec, field):
+    import grpc
+
+    from kvmesh.cluster.client import grpc_stream
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt="hi", max_tokens=4,
+                         structured_outputs=pb.StructuredOutputs(**spec)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
