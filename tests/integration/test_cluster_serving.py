@@ -476,18 +476,35 @@ def test_grpc_takes_the_sampling_fields_and_returns_stop_reason(cluster):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
 
 
+def tokens_out(cluster) -> int:
+    """Output tokens of every request the workers finished (aborted ones with what they made)."""
+    with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=30) as resp:
+        return sum(row["tokens_out"] for row in json.load(resp)["workers"])
+
+
 def test_a_client_that_leaves_a_stream_of_several_prompts_aborts_them_all(cluster, openai_client):
+    def idle() -> bool:
+        return sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
+
+    before = tokens_out(cluster)
     stream = openai_client.completions.create(model=MODEL, prompt=["go on", "and on", "forever"],
-                                              max_tokens=1500, temperature=0, stream=True)
-    next(iter(stream))
-    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
+                                              max_tokens=1500, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+    next(iter(stream))  # the streams have started
     stream.close()
-    deadline = time.monotonic() + 15  # 3 x ~1500 tokens would take far longer than this
-    while time.monotonic() < deadline:
-        if sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0:
-            break
+    deadline = time.monotonic() + 60
+    while not idle() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
+    assert idle()
+    # the workers' counters reach the hub with their next load report (<= 1 s apart)
+    deadline, generated = time.monotonic() + 10, 0
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        generated, previous = tokens_out(cluster) - before, generated
+        if generated and generated == previous:
+            break
+    # 4,500 tokens were asked for (ignore_eos: nothing ends them early); all three were stopped
+    assert 0 < generated < 1500, generated
 
 
 # ---- n > 1, best_of, echo, prompt_logprobs (issue 14 points 3-4) ----------------------------------
