@@ -63,9 +63,19 @@ def test_worker_cost_is_worker_costs_bit_for_bit():
         assert got == expected
 
 
-@pytest.mark.parametrize("list_members", [0, 5, 10**6])  # walk the heap always / by size / list always
-def test_cheapest_in_is_the_first_buckets_holding_a_member_of_each_mask(monkeypatch, list_members):
-    monkeypatch.setattr(load_order_module, "LIST_MEMBERS", list_members)
+# LoadOrder's (LIST_MEMBERS, WALK_SHARE, WALK_BUCKETS): scan always / walk always / each by its size
+# and the walk's length / list always
+WAYS = [(0, 0, 0), (0, 10**6, 10**6), (5, 2, 3), (10**6, 0, 0)]
+
+
+def _set_ways(monkeypatch, way):
+    for name, value in zip(("LIST_MEMBERS", "WALK_SHARE", "WALK_BUCKETS"), way):
+        monkeypatch.setattr(load_order_module, name, value)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_cheapest_in_is_the_first_buckets_holding_a_member_of_each_mask(monkeypatch, way):
+    _set_ways(monkeypatch, way)
     rng = random.Random(3)
     index = KVIndex()
     ws = WorkerSet()
@@ -171,14 +181,13 @@ class ListingChoice:
         return wid
 
 
-@pytest.mark.parametrize("list_members", [0, 10**6, 96])
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("few_loads", [True, False])
-def test_kv_events_choice_by_levels_is_the_listing_choice_on_random_states(monkeypatch, list_members,
-                                                                             few_loads):
+def test_kv_events_choice_by_levels_is_the_listing_choice_on_random_states(monkeypatch, way, few_loads):
     """One index, two policies with one seed: the levels choice and the listing reference make the
     same choices, ties (few distinct loads) and hysteresis and in-flight credit included, and keep
     the same pending records."""
-    monkeypatch.setattr(load_order_module, "LIST_MEMBERS", list_members)
+    _set_ways(monkeypatch, way)
     rng = random.Random(5)
     # chains 0-5 held up to their end, 6-7 only their first 5 blocks, 8-9 by nobody: the last two
     # kinds give prefixes in flight (on a holder of the longest prefix, and on a worker holding none)
