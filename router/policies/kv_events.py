@@ -8,11 +8,12 @@ random; with a temperature > 0 the first choice is sampled from softmax(-cost / 
 prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
 
-The choice costs O(prompt runs + holders of its prefix), not O(workers): only the eligible holders
-(and the worker with the prefix in flight) are scored exactly; a worker holding none of the prefix
-costs the new prefill plus its load alone, so the best of those is the first bucket of a LoadOrder
-the WorkerSet keeps up to date (kvmesh.router.load_order), whose cost is computed exactly too. Ties
-for the best are broken uniformly over every tied worker, as a full ranking's would be. The rest of a
+The choice costs O(prompt runs + holder levels), not O(workers) nor O(holders): the index answers
+with one mask of workers per cached length (KVIndex.levels); the members of a level, like the
+workers holding none of the prefix, differ only in load, so the cheapest of each are the first
+buckets of a LoadOrder the WorkerSet keeps up to date (kvmesh.router.load_order) that hold one of
+them, and only those groups (and the worker with the prefix in flight) are costed exactly. Ties for
+the best are broken uniformly over every tied worker, as a full ranking's would be. The rest of a
 full ranking (Serve's fallbacks: `rank`, not `top(k=1)`), a softmax temperature, or a plain list of
 workers instead of a WorkerSet, take the vectorized pass over all workers.
 """
