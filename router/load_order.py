@@ -204,8 +204,10 @@ class LoadOrder:
         eligible member of it, in (cost, key) order -- the heap's -- from the cheapest through every
         one within `slack` of its cost, as groups (the bucket's members in the set); [] when no
         eligible worker is in the set. A set of up to LIST_MEMBERS eligible workers is listed
-        (O(members)); the larger ones share one walk of the heap from its top, which stops when
-        each has its groups (a set of most workers meets one in the first buckets)."""
+        (O(members)); those of at least 1/WALK_SHARE of the eligible share one walk of the heap from
+        its top, which stops when each has its groups (a set of most workers meets one in the first
+        buckets) or after WALK_BUCKETS buckets; the others, and those the walk left, are scanned
+        (`_scanned`, O(workers) in numpy)."""
         found: list[list[Group]] = [[] for _ in masks]
         walk: dict[int, int] = {}  # position in masks -> the eligible members, for the heap walk
         num_eligible = self.mask.bit_count()
