@@ -17,11 +17,6 @@ def rope_parameters(hf_config) -> dict:
 UNSUPPORTED_ROPE = {"dynamic": "its frequencies depend on the sequence length"}
 
 
-def rope_field(hf_config) -> str:
-    """The config.json field that holds the RoPE parameters (transformers 5 calls it rope_parameters)."""
-    return "rope_scaling" if getattr(hf_config, "rope_scaling", None) else "rope_parameters"
-
-
 def check_rope(hf_config, name: str) -> None:
     """A ValueError naming the field when the config's RoPE type is one we cannot compute."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -32,8 +27,9 @@ def check_rope(hf_config, name: str) -> None:
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in UNSUPPORTED_ROPE:
         why = UNSUPPORTED_ROPE.get(rope_type, "unknown rope type")
         supported = ["default"] + sorted(t for t in ROPE_INIT_FUNCTIONS if t not in UNSUPPORTED_ROPE)
-        raise ValueError(f"model {name!r}: config.json {rope_field(hf_config)}.rope_type={rope_type!r} "
-                         f"is not supported ({why}); supported: {', '.join(supported)}")
+        # hub configs hold it in rope_scaling; transformers 5 saves it as rope_parameters
+        raise ValueError(f"model {name!r}: config.json rope_scaling.rope_type (rope_parameters.rope_type) "
+                         f"{rope_type!r} is not supported ({why}); supported: {', '.join(supported)}")
 
 
 def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
