@@ -45,10 +45,24 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(x)
-        if x.is_cuda:  # the fused kernel is shape-static (CUDA-graph safe); the loop below is not
-            from kvmesh.kernels.fused_moe import fused_moe
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, expert_ids)
-        return moe_reference(x, self.experts.gate_up_proj, self.experts.down_proj, weights, expert_ids)
+        return moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, expert_ids)
+
+
+# An opaque op to torch.compile (worker/compile.py compiles each layer's MLP region whole, with dynamic
+# shapes): the routing around it compiles, the experts' data-dependent loop or kernel launch does not.
+@torch.library.custom_op("kvmesh::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                expert_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; weights, expert_ids [T, k] -> [T, H]."""
+    if x.is_cuda:  # the fused kernel is shape-static (CUDA-graph safe); the loop below is not
+        from kvmesh.kernels.fused_moe import fused_moe
+        return fused_moe(x, gate_up, down, weights, expert_ids)
+    return moe_reference(x, gate_up, down, weights, expert_ids)
+
+
+@moe_experts.register_fake
+def _(x, gate_up, down, weights, expert_ids):
+    return torch.empty_like(x)
 
 
 def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
