@@ -98,7 +98,8 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def _gemm(a, b, c, weights, sorted_pairs, block_expert, num_padded, n, k, rows_div, gated, weighted,
           block_m):
-    block_n = 64
+    # untuned: wider column tiles (and more warps for the two accumulators) once blocks are full
+    block_n, num_warps = (128, 8) if block_m == 64 else (64, 4)
     block_k = 32 if a.dtype == torch.float32 else 64
     grid = (sorted_pairs.numel() // block_m, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
@@ -106,7 +107,7 @@ def _gemm(a, b, c, weights, sorted_pairs, block_expert, num_padded, n, k, rows_d
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROWS_PER_PAIR_DIV=rows_div, GATED=gated, WEIGHTED=weighted,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=3)
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

@@ -50,6 +50,7 @@ cases = [  # (tokens, experts, top_k, hidden, expert width)
     (37, 8, 2, 64, 40),     # widths that are not multiples of the tiles
     (70, 4, 3, 96, 24),     # many tokens per expert: larger row blocks
     (9, 16, 1, 32, 16),     # top-1, most experts idle
+    (100, 2, 2, 32, 150),   # over 64 tokens per expert: the widest tiles
 ]
 for tokens, experts, top_k, hidden, inter in cases:
     x = torch.randn(tokens, hidden)
