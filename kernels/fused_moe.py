@@ -35,7 +35,7 @@ def _moe_gemm_kernel(
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs_ptr + offs_m)  # [BLOCK_M]
+    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)  # [BLOCK_M]; int64: pair * H can pass 2^31
     row_mask = pair < num_pairs
     a_row = pair // A_ROWS_PER_PAIR_DIV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
