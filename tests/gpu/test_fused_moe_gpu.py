@@ -1,7 +1,9 @@
 """The fused Triton MoE kernel (kvmesh.kernels.fused_moe) on the GPU: in bf16 at Qwen3-30B-A3B's and
 a Mixtral-like width, no further from a float32 reference than the torch path in bf16 is; under a CUDA
 graph the same as eager; and the MoE presets on the GPU (float32, CUDA graphs on) give transformers'
-greedy tokens."""
+greedy tokens (up to near-ties: attention runs in TF32 there).
+
+Run on the GPU machine from the repository root: python -m pytest -q -s tests/gpu/test_fused_moe_gpu.py"""
 
 import gc
 
@@ -62,19 +64,34 @@ def test_kernel_replays_under_a_cuda_graph():
     torch.testing.assert_close(out, fused_moe(x2, gate_up, down, weights2, expert_ids2), atol=0, rtol=0)
 
 
+NEAR_TIE_NATS = 0.01  # the triton attention kernels multiply float32 in TF32 (10-bit mantissa)
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
 def test_moe_presets_on_the_gpu_give_transformers_greedy_tokens(preset):
+    """float32 on the GPU with CUDA graphs against transformers on the CPU: the same tokens, or a
+    divergence only where transformers' own top two tokens are within NEAR_TIE_NATS."""
     from kvmesh import LLM, SamplingParams
     from tests.unit.reference import hf_greedy, hf_model_like
 
     llm = LLM(f"random:{preset}", device="cuda", dtype="float32", attention_backend="triton",
               kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    assert llm.engine.runner.graph_runner is not None, "decode runs under CUDA graphs"
     prompts = [[(13 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate((3, 40, 200))]
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
     reference = hf_model_like(llm)
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(reference, ids, 24)
+        expected = hf_greedy(reference, ids, 24)
+        if out.token_ids == expected:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(expected, out.token_ids)) if a != b)
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids + expected[:i]])).logits[0, -1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        gap = (logprobs[expected[i]] - logprobs[out.token_ids[i]]).item()
+        print(f"{preset}: prompt of {len(ids)} tokens diverges at token {i}; gap {gap:.5f} nats")
+        assert gap < NEAR_TIE_NATS
     del llm
     gc.collect()
     torch.cuda.empty_cache()
