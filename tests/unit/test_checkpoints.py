@@ -104,7 +104,27 @@ def test_sharded_checkpoint_matches_transformers(tmp_path, family):
         assert out.token_ids == hf_greedy(reference, ids, MAX_NEW)
 
 
-def test_every_eos_id_of_a_llama3_config_stops_generation(tmp_path):
+@pytest.mark.parametrize("family", ["llama3.1", "qwen2.5-yarn"])
+def test_hub_style_config_with_rope_scaling_and_rope_theta_loads_the_same(tmp_path, family):
+    """Published config.json files (written before transformers 5) keep RoPE in `rope_theta` and
+    `rope_scaling`; transformers 5 saves `rope_parameters`. Both give the same model."""
+    reference = save_checkpoint(tmp_path, family_config(family))
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), device="cpu")
+    ids = llm.encode(PROMPTS[0])
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids])).logits[0, :-1]
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(out.prompt_logprobs.logprobs[1:]), expected, atol=TOLERANCE)
+
+
+def test_every_eos_id_of_a_llama3_config_is_one_of_the_engines(tmp_path):
     save_checkpoint(tmp_path, family_config("llama3.1"))
     llm = LLM(str(tmp_path), device="cpu")
     assert {257, 258} <= set(llm.engine.eos_token_ids)
