@@ -116,9 +116,12 @@ def run(args) -> int:
     if structured is None and output_tokens != workload.num_output_tokens:
         raise RuntimeError(f"engine produced {output_tokens} tokens, the workload asks {workload.num_output_tokens}")
     cfg = engine.model_config
+    moe = dict(num_experts=cfg.moe.num_experts, experts_per_token=cfg.moe.num_experts_per_tok,
+               expert_intermediate_size=cfg.moe.expert_intermediate_size,
+               num_sparse_layers=len(cfg.moe.sparse_layers)) if cfg.moe is not None else {}
     shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
-                       torch.tensor([], dtype=engine.dtype).element_size())
+                       torch.tensor([], dtype=engine.dtype).element_size(), **moe)
     floor = FloorCounter(shape, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
     for query_lens, seq_lens, num_sampled in probe.steps:
         floor.add_step(query_lens, seq_lens, num_sampled)

@@ -105,3 +105,18 @@ def test_offline_shared_prefix_workload_hits_the_prefix_cache(capsys):
 def test_offline_flags_are_checked(capsys):
     assert main(["bench", "offline", *TINY, "--workload", "shared-prefix", "--prefix-len", "0", "--json"]) != 0
     assert "--prefix-len" in capsys.readouterr().err
+
+
+def test_floor_of_a_moe_model_reads_only_the_experts_its_tokens_can_reach():
+    shape = ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                       head_dim=4, vocab_size=10, tie_word_embeddings=False, num_experts=4,
+                       experts_per_token=2, expert_intermediate_size=6, num_sparse_layers=1)
+    attention = 8 * 4 * (2 * 2 + 2 * 1)
+    dense_layer = attention + 3 * 8 * 16
+    sparse_fixed = attention + 8 * 4  # attention and the router
+    expert = 3 * 8 * 6
+    assert shape.matmul_params == dense_layer + sparse_fixed + 2 * expert
+    # one token reaches its 2 experts; many reach all 4 (expected distinct: E * (1 - (1 - k/E)^n))
+    assert shape.weight_bytes_for(1) == (dense_layer + 10 * 8 + sparse_fixed + 2 * expert) * 2
+    assert shape.weight_bytes_for(2) == (dense_layer + 10 * 8 + sparse_fixed + 3 * expert) * 2
+    assert shape.weight_bytes == (dense_layer + 10 * 8 + sparse_fixed + 4 * expert) * 2
