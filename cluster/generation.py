@@ -24,6 +24,7 @@ from ray.serve.exceptions import BackPressureError
 
 from kvmesh.cluster.engine_loop import EngineUnavailable
 from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.cluster.metrics import TokenGaps
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 
@@ -115,6 +116,7 @@ class Collected:
         self.sequences: dict[int, Collected] = {}  # by TokenDelta.index (n > 1: one per choice)
         self.first_token_time: float | None = None  # the worker's clock
         self.first_token_seen: float | None = None  # when it reached the ingress
+        self.token_gaps = TokenGaps() if self.per_sequence else None
 
     def add(self, delta: TokenDelta) -> None:
         self.text_parts.append(delta.text)
@@ -130,6 +132,8 @@ class Collected:
             if sequence is None:
                 sequence = self.sequences[delta.index] = Collected(per_sequence=False)
             sequence.add(delta)
+        if self.token_gaps is not None:
+            self.token_gaps.add(delta)
         if delta.first_token_time is not None and self.first_token_time is None:
             self.first_token_time = delta.first_token_time
         if delta.token_ids and self.first_token_seen is None:
@@ -141,9 +145,10 @@ class Collected:
         return "".join(self.text_parts)
 
 
-async def collect(handle, routed: RoutedRequest,
-                  on_retry: Callable[[], None] | None = None) -> Collected:
-    out = Collected()
+async def collect(handle, routed: RoutedRequest, on_retry: Callable[[], None] | None = None,
+                  out: Collected | None = None) -> Collected:
+    """The whole completion; `out` (when given) holds what has come so far if this is cancelled."""
+    out = out if out is not None else Collected()
     async for item in run_request(handle, routed, restartable=True, on_retry=on_retry):
         if item is RESTART:
             out.reset()

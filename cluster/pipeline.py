@@ -31,6 +31,7 @@ from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.generation import Collected, collect, overloaded, run_request
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.cluster.metrics import TokenGaps
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
@@ -142,7 +143,12 @@ class RequestPipeline:
         """The whole completion (non-streaming: retried from the start on another worker when its
         worker dies, since the client has seen nothing yet)."""
         routed = admitted.routed
-        result = await collect(self.frontend.workers, routed, self.frontend.count_retry)
+        result = Collected()
+        try:
+            await collect(self.frontend.workers, routed, self.frontend.count_retry, out=result)
+        except asyncio.CancelledError:  # the client went away (or its deadline passed): aborted
+            self.frontend.account_abort(routed, len(result.token_ids), result.token_gaps.gaps)
+            raise
         last = result.last
         if last is None:
             raise ApiError(503, "no result")
@@ -151,7 +157,8 @@ class RequestPipeline:
         if last.finish_reason == "error":
             raise ApiError(503, last.error or "the request failed", type="server_error",
                            code="worker_failed", retry_after_s=1)
-        self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200)
+        self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200,
+                              result.token_gaps.gaps)
         return result
 
 
@@ -178,6 +185,7 @@ class DeltaStream:
         self.num_tokens = 0
         self.last: TokenDelta | None = None
         self._first_token_time: float | None = None
+        self._token_gaps = TokenGaps()
         self._deltas = run_request(frontend.workers, self.routed, on_retry=frontend.count_retry)
         self._aborted = asyncio.ensure_future(abort.wait()) if abort is not None else None
         self._step: asyncio.Future | None = None
@@ -207,6 +215,7 @@ class DeltaStream:
     async def _next(self) -> TokenDelta:
         delta = await self._read()
         self.num_tokens += len(delta.token_ids)
+        self._token_gaps.add(delta)
         if delta.token_ids and self._first_token_time is None:
             self._first_token_time = time.time()
         return delta
@@ -226,12 +235,12 @@ class DeltaStream:
         if not self._counted and self.last.finish_reason != "abort":
             self._counted = True
             self.frontend.account(self.routed, self._first_token_time, self.last,
-                                  self.num_tokens, 200)
+                                  self.num_tokens, 200, self._token_gaps.gaps)
 
     async def aclose(self) -> None:
         if not self._counted and self._started:  # ended before it finished: aborted
             self._counted = True
-            self.frontend.account_abort(self.routed, self.num_tokens)
+            self.frontend.account_abort(self.routed, self.num_tokens, self._token_gaps.gaps)
         if self._aborted is not None:
             self._aborted.cancel()
         await _stop(self._step)

@@ -198,6 +198,42 @@ def test_tool_choice_required_streams_the_same_call(client):
     assert reasons[-1] == "tool_calls"
 
 
+# The default model does not call tools by itself: a regex holds it to each form, which the
+# `auto` parser then reads from the output as it would read a model's own call.
+AUTO_FORMS = [
+    ('Checking\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": '
+     '"(Paris|Rome|Oslo)"\\}\\}\\n</tool_call>', "Checking.\n", "get_weather"),
+    ('\\{"name": "get_time", "parameters": \\{"timezone": "(Europe/Paris|UTC)"\\}\\}', "",
+     "get_time"),
+]
+
+
+@pytest.mark.parametrize("regex, content, name", AUTO_FORMS, ids=["hermes", "llama3"])
+def test_tool_choice_auto_streams_call_deltas_as_generated(client, regex, content, name):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=60, temperature=0,
+                  tools=[WEATHER, TIME], extra_body={"structured_outputs": {"regex": regex}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    streamed_content, headers, fragments, reasons = "", [], [], []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        streamed_content += delta.content or ""
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            if tc.id:  # the call's first delta: id, type, name, arguments ""
+                headers.append((tc.type, tc.function.name, tc.function.arguments))
+            else:
+                fragments.append(tc.function.arguments)
+    assert streamed_content == content  # the text before the call; never the markup
+    assert headers == [("function", name, "")]
+    assert len(fragments) > 1  # the arguments came in pieces as they were generated
+    call = whole.message.tool_calls[0]
+    assert call.function.name == name
+    assert json.loads("".join(fragments)) == json.loads(call.function.arguments)
+    assert reasons[-1] == "tool_calls"
+
+
 def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
     from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
     from kvmesh.cluster.tool_calls import parse_tools, render_chat

@@ -119,3 +119,38 @@ def test_closing_a_stream_early_cancels_the_worker_call():
     p = pipeline(handle)
     assert len(run_stream(p, take=1)) == 1
     assert handle.responses[0].cancelled and requests_counted(p, 200) == 0
+
+
+class Stall(asyncio.Event):
+    """A worker still generating; `reached` is set once the request waits on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reached = asyncio.Event()
+
+    async def wait(self):
+        self.reached.set()
+        return await super().wait()
+
+
+def aborts_counted(p: RequestPipeline) -> float:
+    return p.frontend.metrics.vllm.success.labels(
+        model_name=p.frontend.model_name, finished_reason="abort")._value.get()
+
+
+def test_a_non_streaming_request_whose_client_goes_is_counted_as_aborted():
+    async def main():
+        stall = Stall()
+        p = pipeline(Handle([TokenDelta("r", [5], "x", token_times=[1.0]),
+                             TokenDelta("r", [6], "x", token_times=[1.25]), stall]))
+        whole = asyncio.ensure_future(p.whole(await p.admit(request())))
+        await stall.reached.wait()
+        whole.cancel()  # what Serve does to the handler when the HTTP client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await whole
+        return p
+    p = asyncio.run(main())
+    assert aborts_counted(p) == 1 and requests_counted(p, 200) == 0
+    assert p.frontend.metrics.aborted.labels(model=p.frontend.model_name)._value.get() == 1
+    itl = p.frontend.metrics.vllm.itl.labels(model_name=p.frontend.model_name)
+    assert itl._sum.get() == 0.25  # the one gap between its two tokens
