@@ -15,11 +15,14 @@ Closing the generator early (client gone) cancels the worker call, which aborts 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
 
 import ray
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError
 
 from kvmesh.cluster.engine_loop import EngineUnavailable
@@ -40,6 +43,18 @@ def overloaded() -> ApiError:
     return ApiError(429, "the server is overloaded: every worker replica is at its limit of "
                     "queued requests; retry later", type="server_error", code="overloaded",
                     retry_after_s=OVERLOAD_RETRY_AFTER_S)
+
+
+def own_serve_call_context() -> None:
+    """Give the worker calls made from here on (in this asyncio task) a Serve request id of their
+    own. Serve names a handle call after the request being served (`_internal_request_id`), and its
+    router keeps calls waiting for a replica in a table by that name: two calls of one HTTP request
+    made at once (several prompts) share it, and one of them is never answered (Ray 2.60,
+    request_router.py `_pending_requests_by_id`). Cancelling still reaches the calls: the ingress
+    cancels each itself (run_request), not through Serve's parent-request bookkeeping."""
+    parent = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(
+        dataclasses.replace(parent, _internal_request_id=generate_request_id()))
 
 
 def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:

@@ -24,7 +24,6 @@ from kvmesh.cluster import process_metrics
 from kvmesh.cluster.auth import ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.generation import Collected
 from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
@@ -405,7 +404,7 @@ class Ingress(GrpcService, HealthService):
             if len(admitted) == 1:
                 results = [await self.pipeline.whole(admitted[0])]
             else:
-                results = await self._whole_of_several(admitted)
+                results = await self.pipeline.whole_of_several(admitted)
             body = _combined([
                 whole_body(shaper, result, one.routed.sampling_params, kind, echo,
                            result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
@@ -423,27 +422,6 @@ class Ingress(GrpcService, HealthService):
             return body
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
-
-    async def _whole_of_several(self, admitted) -> list[Collected]:
-        """Several prompts' whole completions. Their worker calls are started one after the other
-        (each stream's first delta awaited), as a stream does: calls of one HTTP request started
-        at once share Serve's request context and one of them was never answered."""
-        streams = []
-        try:
-            for one in admitted:
-                streams.append(await self.pipeline.stream(one))
-            results = [Collected() for _ in streams]
-            async with contextlib.aclosing(_merged(streams)) as merged:
-                async for i, delta in merged:
-                    results[i].add(delta)
-            for result in results:
-                if result.last.finish_reason == "error":
-                    raise ApiError(503, result.last.error or "the request failed",
-                                   type="server_error", code="worker_failed", retry_after_s=1)
-            return results
-        finally:
-            for stream in streams:
-                await stream.aclose()
 
     async def _parse(self, request: Request, kind: str):
         return parse_request(await self._json(request),

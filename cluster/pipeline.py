@@ -28,7 +28,8 @@ from ray.serve.exceptions import BackPressureError
 
 from kvmesh.cluster.auth import UNAUTHORIZED_MESSAGE, ApiKeys
 from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.generation import Collected, collect, overloaded, run_request
+from kvmesh.cluster.generation import (Collected, collect, overloaded, own_serve_call_context,
+                                      run_request)
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.messages import RoutedRequest
 from kvmesh.cluster.metrics import TokenGaps
@@ -160,6 +161,23 @@ class RequestPipeline:
         self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200,
                               result.token_gaps.gaps)
         return result
+
+    async def whole_of_several(self, admitted: list[Admitted]) -> list[Collected]:
+        """Several prompts' whole completions (a list of prompts in one completions request), run
+        at once as vLLM runs them, in prompt order. Each is a `whole` request of its own: a worker
+        that dies is survived by running that prompt again elsewhere; a prompt that fails fails
+        the request (503, as one prompt would), and the others are then cancelled (aborted)."""
+        async def one(request: Admitted) -> Collected:
+            own_serve_call_context()
+            return await self.whole(request)
+
+        tasks = [asyncio.ensure_future(one(request)) for request in admitted]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed (or the client went): stop the others
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -200,17 +200,20 @@ def test_tool_choice_required_streams_the_same_call(client):
 
 # The default model does not call tools by itself: a regex holds it to each form, which the
 # `auto` parser then reads from the output as it would read a model's own call.
-AUTO_FORMS = [
+AUTO_FORMS = [  # arguments of some 30 tokens: they stream in several deltas
     ('Checking\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": '
-     '"(Paris|Rome|Oslo)"\\}\\}\\n</tool_call>', "Checking.\n", "get_weather"),
-    ('\\{"name": "get_time", "parameters": \\{"timezone": "(Europe/Paris|UTC)"\\}\\}', "",
+     '"(Paris|Rome|Oslo)", "days": [1-9], "units": "(metric|imperial)", "detail": '
+     '"(hourly|daily)", "language": "(English|French)"\\}\\}\\n</tool_call>', "Checking.\n",
+     "get_weather"),
+    ('\\{"name": "get_time", "parameters": \\{"timezone": "(Europe/Paris|UTC)", "format": '
+     '"(24h|12h)", "seconds": (true|false), "language": "(English|French)"\\}\\}', "",
      "get_time"),
 ]
 
 
 @pytest.mark.parametrize("regex, content, name", AUTO_FORMS, ids=["hermes", "llama3"])
 def test_tool_choice_auto_streams_call_deltas_as_generated(client, regex, content, name):
-    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=60, temperature=0,
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=150, temperature=0,
                   tools=[WEATHER, TIME], extra_body={"structured_outputs": {"regex": regex}})
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1

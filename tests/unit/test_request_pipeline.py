@@ -154,3 +154,51 @@ def test_a_non_streaming_request_whose_client_goes_is_counted_as_aborted():
     assert p.frontend.metrics.aborted.labels(model=p.frontend.model_name)._value.get() == 1
     itl = p.frontend.metrics.vllm.itl.labels(model_name=p.frontend.model_name)
     assert itl._sum.get() == 0.25  # the one gap between its two tokens
+
+
+class Barrier(asyncio.Event):
+    """Every worker call waits here until `calls` calls have been made: a request of several
+    prompts finishes only if all its prompts were sent to the workers before any finished."""
+
+    def __init__(self, handle: Handle, calls: int):
+        super().__init__()
+        self.handle, self.calls = handle, calls
+
+    async def wait(self):
+        if len(self.handle.responses) >= self.calls:
+            self.set()
+        return await super().wait()
+
+
+def run_several(handle: Handle, scripts_after_barrier: list[list], num_prompts: int):
+    barrier = Barrier(handle, num_prompts)
+    handle.attempts = [[barrier, *script] if i < num_prompts else script
+                       for i, script in enumerate(scripts_after_barrier)]
+
+    async def main():
+        p = pipeline(handle)
+        admitted = [await p.admit(request(token_ids=[i + 1, 2, 3])) for i in range(num_prompts)]
+        return p, await asyncio.wait_for(p.whole_of_several(admitted), timeout=10)  # sequential: the first waits forever
+    return asyncio.run(main())
+
+
+def test_several_prompts_run_at_once_and_answer_in_prompt_order():
+    handle = Handle()
+    scripts = [[delta([10 + i]), delta([20 + i], "length")] for i in range(3)]
+    p, results = run_several(handle, scripts, 3)
+    assert [r.token_ids for r in results] == [[10, 20], [11, 21], [12, 22]]
+    assert [r.prompt_token_ids[0] for r in handle.routed] == [1, 2, 3]
+    assert requests_counted(p, 200) == 3
+
+
+def test_a_prompt_whose_worker_dies_is_run_again_as_a_single_request_is():
+    from kvmesh.cluster.engine_loop import EngineUnavailable
+
+    handle = Handle()
+    scripts = [[delta([10]), delta([20], "length")],
+               [delta([11]), EngineUnavailable("w1", "engine process died")],  # after a token
+               [delta([12]), delta([22], "length")],
+               [delta([31]), delta([41], "length")]]  # prompt 1's second attempt
+    p, results = run_several(handle, scripts, 3)
+    assert [r.token_ids for r in results] == [[10, 20], [31, 41], [12, 22]]
+    assert handle.avoided[-1] == ["w1"]  # the retry ranks the dead worker last
