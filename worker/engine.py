@@ -188,7 +188,11 @@ class Engine:
                 delta.error = f"invalid_request: {future.exception()}"
                 deltas.append(delta)
                 continue
-            req.grammar = self.grammar_compiler.matcher(future.result())
+            # n > 1: each sequence its own matcher. The sequences fork off the request before any
+            # token is sampled (worker/parallel_sampling.py), so a fresh matcher is the clone of
+            # the request's at the fork point.
+            for member in req.group or [req]:
+                member.grammar = self.grammar_compiler.matcher(future.result())
             self.scheduler.add(req)
         return deltas
 

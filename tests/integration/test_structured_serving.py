@@ -309,3 +309,66 @@ def test_grpc_bad_structured_outputs_are_invalid_argument_naming_the_field(clust
                          structured_outputs=pb.StructuredOutputs(**spec)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+# ---- gRPC: tools, echo, prompt logprobs -----------------------------------------------------------
+
+def _grpc_tool(tool: dict):
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    fn = tool["function"]
+    return pb.Tool(name=fn["name"], description=fn.get("description", ""),
+                   parameters=json.dumps(fn["parameters"]))
+
+
+def _grpc_calls(messages) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for m in messages:
+        for tc in m.tool_calls:
+            call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = tc.id or call["id"]
+            call["name"] = tc.name or call["name"]
+            call["arguments"] += tc.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_grpc_named_tool_choice_streams_a_schema_valid_call(cluster):
+    from kvmesh.cluster.client import grpc_stream
+
+    out = list(grpc_stream(cluster.grpc_target, messages=ASK_WEATHER, max_tokens=40, temperature=0,
+                           tools=[_grpc_tool(WEATHER), _grpc_tool(TIME)],
+                           tool_choice="get_weather"))
+    calls = _grpc_calls(out)
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and "".join(m.text for m in out) == ""
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_grpc_tool_choice_auto_streams_the_call_and_the_content_before_it(cluster):
+    from kvmesh.cluster.client import grpc_stream
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    regex, content, name = AUTO_FORMS[0]
+    out = list(grpc_stream(cluster.grpc_target, messages=ASK_WEATHER, max_tokens=150,
+                           temperature=0, tools=[_grpc_tool(WEATHER), _grpc_tool(TIME)],
+                           structured_outputs=pb.StructuredOutputs(regex=regex)))
+    assert "".join(m.text for m in out) == content  # no markup
+    calls = _grpc_calls(out)
+    assert [c["name"] for c in calls] == [name] and json.loads(calls[0]["arguments"])["city"]
+    assert sum(1 for m in out if m.tool_calls) > 2  # header, then the arguments in pieces
+    assert out[-1].finish_reason == "tool_calls"
+
+
+def test_grpc_echo_returns_the_prompt_and_its_logprobs(cluster):
+    from kvmesh.cluster.client import grpc_stream
+
+    prompt = "The capital of France is"
+    out = list(grpc_stream(cluster.grpc_target, prompt=prompt, max_tokens=3, temperature=0,
+                           echo=True, logprobs=2))
+    first = out[0]
+    assert first.prompt_text == prompt and len(first.prompt_token_ids) > 3
+    scored = [e for m in out for e in m.prompt_logprobs]
+    assert len(scored) == len(first.prompt_token_ids)
+    assert not scored[0].HasField("logprob") and all(e.HasField("logprob") for e in scored[1:])
+    assert all(e.rank >= 1 and len(e.top) <= 2 for e in scored[1:])
+    assert not any(m.prompt_text for m in out[1:])
