@@ -57,6 +57,16 @@ def test_streamed_json_schema_output_is_schema_valid(client):
     jsonschema.validate(json.loads(text), CITY)
 
 
+def test_n3_with_a_json_schema_gives_three_schema_valid_choices(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=1.0, seed=5, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+
+
 def test_response_format_json_object_gives_an_object(client):
     r = client.chat.completions.create(
         model=MODEL, max_tokens=60, temperature=0, response_format={"type": "json_object"},
