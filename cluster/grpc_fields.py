@@ -40,9 +40,6 @@ def read_ask(request: pb.GenerateRequest) -> GrpcAsk:
         if not request.messages:
             raise ApiError(400, "tools need messages (the chat template renders them)",
                            param="tools")
-        if request.HasField("n") and request.n > 1:
-            raise ApiError(400, "n must be 1 with tools (each answer is parsed for tool calls on "
-                           "its own)", param="n")
         if request.HasField("logprobs"):
             raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are not "
                            "token-aligned)", param="logprobs")
@@ -143,7 +140,7 @@ class ResponseShape:
         self.prompt_text = request.prompt if request.prompt else None
         self.top_k = prompt_logprobs_asked(request)
         self.tools = ask.tools if ask.tools is not None and ask.tools.parses_output else None
-        self.parser = tool_parser.ToolStream(self.tools) if self.tools is not None else None
+        self.parsers: dict[int, tool_parser.ToolStream] = {}  # n > 1: one per sequence
         self._first = True
 
     def apply(self, out: pb.GenerateResponse, delta: TokenDelta) -> pb.GenerateResponse:
@@ -154,11 +151,13 @@ class ResponseShape:
         self._first = False
         if delta.prompt_logprobs is not None and self.top_k is not None:
             out.prompt_logprobs.extend(prompt_logprob_entries(delta.prompt_logprobs, self.top_k))
-        if self.parser is None:
+        if self.tools is None:
             return out
-        pieces = self.parser.feed(delta.text)
-        if delta.finished:
-            pieces += self.parser.finish()
+        parser = self.parsers.setdefault(delta.index, tool_parser.ToolStream(self.tools))
+        ended = delta.finish_reason is not None  # this sequence's end
+        pieces = parser.feed(delta.text)
+        if ended:
+            pieces += parser.finish()
         out.text = "".join(p.get("content", "") for p in pieces)
         for piece in pieces:
             for call in piece.get("tool_calls", []):
@@ -166,7 +165,7 @@ class ResponseShape:
                 out.tool_calls.append(pb.ToolCallDelta(
                     index=call["index"], id=call.get("id", ""), name=function.get("name", ""),
                     arguments=function.get("arguments", "")))
-        if delta.finished:
+        if ended:
             out.finish_reason = tool_parser.finish_reason(delta.finish_reason, self.tools,
-                                                          self.parser.calls) or ""
+                                                          parser.calls) or ""
         return out

@@ -247,6 +247,28 @@ def test_tool_choice_auto_streams_call_deltas_as_generated(client, regex, conten
     assert reasons[-1] == "tool_calls"
 
 
+def test_n2_with_a_named_tool_gives_a_call_per_choice_whole_and_streamed(client):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=40, temperature=1.0, seed=3, n=2,
+                  tools=[WEATHER, TIME], tool_choice=FORCE_WEATHER)
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert len(choice.message.tool_calls) == 1 and choice.message.content is None
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
+                            WEATHER["function"]["parameters"])
+    arguments, names, reasons = {0: "", 1: ""}, {}, {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        for tc in choice.delta.tool_calls or []:
+            names[choice.index] = tc.function.name or names.get(choice.index)
+            arguments[choice.index] += tc.function.arguments or ""
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert names == {0: "get_weather", 1: "get_weather"} and reasons == {0: "stop", 1: "stop"}
+    assert [json.loads(arguments[i]) for i in (0, 1)] == [
+        json.loads(c.message.tool_calls[0].function.arguments) for c in whole.choices]
+
+
 def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
     from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
     from kvmesh.cluster.tool_calls import parse_tools, render_chat

@@ -35,7 +35,6 @@ def test_a_named_tool_choice_forces_its_arguments_schema_built_once():
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": "nope"}, "tool_choice"),
     ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
     ({"prompt": "hi", "tools": [WEATHER]}, "tools"),
-    ({"messages": ASK, "tools": [WEATHER], "n": 2}, "n"),
     ({"messages": ASK, "tools": [WEATHER], "logprobs": 1}, "logprobs"),
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": "required",
       "structured_outputs": pb.StructuredOutputs(regex="a")}, "structured_outputs"),
@@ -100,3 +99,19 @@ def test_history_calls_and_tool_results_are_rendered_as_http_renders_them():
     assert messages[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", '
                            '"arguments": {"city": "Rome"}}\n</tool_call>'}
     assert messages[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
+def test_with_n2_each_sequence_is_parsed_on_its_own():
+    request = pb.GenerateRequest(messages=ASK, tools=[WEATHER], n=2)
+    shape = ResponseShape(request, read_ask(request), [1], decode=str)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    out = [shape.apply(pb.GenerateResponse(text=call[:20], index=0), TokenDelta("r", [1], call[:20])),
+           shape.apply(pb.GenerateResponse(text="No call.", index=1),
+                       TokenDelta("r", [1], "No call.", finish_reason="stop", index=1,
+                                  more_sequences=True)),
+           shape.apply(pb.GenerateResponse(text=call[20:], index=0),
+                       TokenDelta("r", [1], call[20:], finish_reason="stop"))]
+    assert (out[1].text, list(out[1].tool_calls), out[1].finish_reason) == ("No call.", [], "stop")
+    assert json.loads("".join(c.arguments for m in (out[0], out[2]) for c in m.tool_calls)) == {
+        "city": "Rome"}
+    assert out[2].finish_reason == "tool_calls" and all(c.index == 0 for c in out[2].tool_calls)
