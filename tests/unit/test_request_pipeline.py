@@ -202,3 +202,15 @@ def test_a_prompt_whose_worker_dies_is_run_again_as_a_single_request_is():
     p, results = run_several(handle, scripts, 3)
     assert [r.token_ids for r in results] == [[10, 20], [31, 41], [12, 22]]
     assert handle.avoided[-1] == ["w1"]  # the retry ranks the dead worker last
+
+
+def test_a_finished_stream_observes_each_gap_between_its_tokens():
+    p = pipeline(Handle([TokenDelta("r", [5], "x", token_times=[1.0]),
+                         TokenDelta("r", [6, 7], "xy", finish_reason="length",
+                                    token_times=[1.5, 1.75])]))  # two steps merged on the way
+    run_stream(p)
+    itl = p.frontend.metrics.vllm.itl.labels(model_name=p.frontend.model_name)
+    from kvmesh.cluster.metrics import VLLM_ITL_BUCKETS
+
+    counts = dict(zip(VLLM_ITL_BUCKETS, (bucket.get() for bucket in itl._buckets)))
+    assert itl._sum.get() == 0.75 and counts[0.3] == 1 and counts[0.5] == 1  # not 0.375 twice
