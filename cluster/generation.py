@@ -45,16 +45,22 @@ def overloaded() -> ApiError:
                     retry_after_s=OVERLOAD_RETRY_AFTER_S)
 
 
-def own_serve_call_context() -> None:
-    """Give the worker calls made from here on (in this asyncio task) a Serve request id of their
-    own. Serve names a handle call after the request being served (`_internal_request_id`), and its
-    router keeps calls waiting for a replica in a table by that name: two calls of one HTTP request
-    made at once (several prompts) share it, and one of them is never answered (Ray 2.60,
-    request_router.py `_pending_requests_by_id`). Cancelling still reaches the calls: the ingress
-    cancels each itself (run_request), not through Serve's parent-request bookkeeping."""
+def _worker_call(handle, routed: RoutedRequest, own_call_id: bool):
+    """The worker call of one attempt. `own_call_id`: under a Serve request id of its own. Serve
+    names a handle call after the request being served (`_internal_request_id`), and its router
+    keeps calls waiting for a replica in a table by that name: two calls of one HTTP request made
+    at once (several prompts) share it, and one of them is never answered (Ray 2.60,
+    request_router.py `_pending_requests_by_id`). Cancelling still reaches such a call: the
+    ingress cancels each itself (run_request), not through Serve's parent-request bookkeeping."""
+    if not own_call_id:
+        return handle.options(stream=True).generate.remote(routed)
     parent = serve_context._get_serve_request_context()
-    serve_context._serve_request_context.set(
+    token = serve_context._serve_request_context.set(
         dataclasses.replace(parent, _internal_request_id=generate_request_id()))
+    try:  # the id is read when the call is made
+        return handle.options(stream=True).generate.remote(routed)
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:
@@ -63,9 +69,10 @@ def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:
 
 
 async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
-                      on_retry: Callable[[], None] | None = None):
+                      on_retry: Callable[[], None] | None = None, own_call_id: bool = False):
     """Yield the request's TokenDeltas (the last one finished); see the module doc for failures.
-    `on_retry` is called each time the request is sent again, however it ends."""
+    `on_retry` is called each time the request is sent again, however it ends. `own_call_id`: for
+    a call made beside others of the same client request (_worker_call)."""
     last_error = None
     for attempt in range(MAX_ATTEMPTS):
         routed.attempt = attempt
@@ -75,7 +82,7 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
         finished = False
         response = None
         try:
-            response = handle.options(stream=True).generate.remote(routed)
+            response = _worker_call(handle, routed, own_call_id)
             async for delta in response:
                 produced = produced or bool(delta.token_ids)
                 finished = delta.finished
@@ -161,10 +168,11 @@ class Collected:
 
 
 async def collect(handle, routed: RoutedRequest, on_retry: Callable[[], None] | None = None,
-                  out: Collected | None = None) -> Collected:
+                  out: Collected | None = None, own_call_id: bool = False) -> Collected:
     """The whole completion; `out` (when given) holds what has come so far if this is cancelled."""
     out = out if out is not None else Collected()
-    async for item in run_request(handle, routed, restartable=True, on_retry=on_retry):
+    async for item in run_request(handle, routed, restartable=True, on_retry=on_retry,
+                                  own_call_id=own_call_id):
         if item is RESTART:
             out.reset()
         else:

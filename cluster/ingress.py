@@ -388,14 +388,10 @@ class Ingress(GrpcService, HealthService):
             if req.stream:
                 options = req.stream_options or {}
                 include_usage = bool(options.get("include_usage"))
-                streams = []
-                try:
-                    for one in admitted:
-                        streams.append(await self.pipeline.stream(one))
-                except BaseException:
-                    for stream in streams:
-                        await stream.aclose()
-                    raise
+                if len(admitted) == 1:
+                    streams = [await self.pipeline.stream(admitted[0])]
+                else:  # started at once, as vLLM runs them
+                    streams = await self.pipeline.streams_of_several(admitted)
                 if tools is not None:  # chat: one prompt
                     body = _sse_tools(streams[0], shaper, include_usage, tools, req.n)
                 else:

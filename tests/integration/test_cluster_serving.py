@@ -519,6 +519,13 @@ def test_several_prompts_answer_together_in_prompt_order(openai_client):
     assert [c.index for c in r.choices] == list(range(len(prompts)))
     assert [c.text for c in r.choices] == alone
     assert r.usage.completion_tokens == 12 * len(prompts)
+    streamed = [""] * len(prompts)  # started at once too, chunks interleaved by index
+    for chunk in openai_client.completions.create(model=MODEL, prompt=prompts, max_tokens=12,
+                                                  temperature=0, stream=True, timeout=120,
+                                                  extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == alone
 
 
 def test_a_non_streaming_client_that_gives_up_is_counted_as_aborted(cluster, openai_client):

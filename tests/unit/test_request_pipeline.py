@@ -214,3 +214,37 @@ def test_a_finished_stream_observes_each_gap_between_its_tokens():
 
     counts = dict(zip(VLLM_ITL_BUCKETS, (bucket.get() for bucket in itl._buckets)))
     assert itl._sum.get() == 0.75 and counts[0.3] == 1 and counts[0.5] == 1  # not 0.375 twice
+
+
+def test_several_prompts_streams_start_at_once_in_prompt_order():
+    handle = Handle()
+    barrier = Barrier(handle, 3)
+    handle.attempts = [[barrier, delta([10 + i]), delta([20 + i], "length")] for i in range(3)]
+
+    async def main():
+        p = pipeline(handle)
+        admitted = [await p.admit(request(token_ids=[i + 1, 2, 3])) for i in range(3)]
+        # one after another, the first stream's first delta would wait for the other two calls
+        streams = await asyncio.wait_for(p.streams_of_several(admitted), timeout=10)
+        out = []
+        for stream in streams:
+            async with stream:
+                out.append([d.token_ids for d in [d async for d in stream]])
+        return out
+    assert asyncio.run(main()) == [[[10], [20]], [[11], [21]], [[12], [22]]]
+
+
+def test_a_refused_prompt_closes_the_streams_started_beside_it():
+    handle = Handle()
+    barrier = Barrier(handle, 2)
+    handle.attempts = [[barrier, delta([10]), asyncio.Event()],
+                       [barrier, delta([], "error", "invalid_request: no")]]
+
+    async def main():
+        p = pipeline(handle)
+        admitted = [await p.admit(request(token_ids=[i + 1, 2])) for i in range(2)]
+        with pytest.raises(ApiError) as e:
+            await asyncio.wait_for(p.streams_of_several(admitted), timeout=10)
+        return e.value
+    error = asyncio.run(main())
+    assert error.status == 400 and handle.responses[0].cancelled
