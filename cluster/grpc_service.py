@@ -13,6 +13,8 @@ cancelling the Generate call always works).
 
 The rest (auth, limits, tokenizing, routing, failover, Abort, metrics) is the request pipeline
 HTTP uses too (pipeline.py); this module parses GenerateRequest into it and renders its deltas.
+What a request asks beyond sampling (structured outputs, tools, echo, prompt logprobs) is read and
+rendered by grpc_fields.py.
 
 Cancellation: a client cancel or deadline reaches Generate as CancelledError (serve_grpc_cancel.py
 makes sure of it); closing the stream then cancels the worker call, which aborts the request in

@@ -88,7 +88,7 @@ class CallScan:
         if ch == '"' and self._expect in ("key", "value"):
             self._in_string, self._token_start = True, pos
             if self._expect == "value":
-                self._value_start(pos, text)
+                self._value_start(pos)
         elif ch == ":" and self._expect == "colon":
             self._expect = "value"
         elif ch == "," and self._expect == "comma":
@@ -97,9 +97,9 @@ class CallScan:
             self._depth, self.done = 0, True
         elif self._expect == "value" and ch in "{[":
             self._depth += 1
-            self._value_start(pos, text)
+            self._value_start(pos)
         elif self._expect == "value" and ch not in "}],:":
-            self._value_start(pos, text)
+            self._value_start(pos)
             self._expect = "scalar"
         else:
             self.invalid = True
@@ -110,7 +110,7 @@ class CallScan:
         else:
             self._value_end(end, text)
 
-    def _value_start(self, pos: int, text: str) -> None:
+    def _value_start(self, pos: int) -> None:
         self._token_start = pos
         if self._key in ARGUMENT_KEYS and self.args_start is None:
             self.args_start = pos
@@ -152,7 +152,7 @@ def _loads(text: str):
 
 class AutoCalls:
     """One output with `tool_choice: auto`: `feed` each text piece, `finish` once; each returns the
-    chat deltas to send. `calls` are the calls sent, as (ToolCall, its CallScan)."""
+    chat deltas to send. `calls` are the calls sent (ToolCall, arguments as sent so far)."""
 
     def __init__(self, new_call):
         self._new_call = new_call  # name -> ToolCall (with its id)
