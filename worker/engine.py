@@ -58,6 +58,7 @@ class Engine:
         self._grammars = None  # worker.grammar.GrammarCompiler, made on first use
         self._awaiting_grammar: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self._next_seq = 0
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob token strings)
 
     # ---- sizing ------------------------------------------------------------------------------
 
@@ -342,6 +343,11 @@ class Engine:
         prompt_logprobs = None
         if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
             prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        token_texts = None
+        if logprob is not None or prompt_logprobs is not None:
+            token_texts = self._texts_of(token_ids if logprob is not None else [], top,
+                                         req.prompt_token_ids if prompt_logprobs is not None else None,
+                                         prompt_logprobs)
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
@@ -352,7 +358,29 @@ class Engine:
             prompt_logprobs=prompt_logprobs, index=req.index,
             more_sequences=req.group is not None and any(not m.is_finished for m in req.group),
             stop_reason=req.stop_reason, scheduled_time=req.scheduled_time,
-            token_times=[sampled_at] * len(token_ids) if sampled_at is not None else None)
+            token_times=[sampled_at] * len(token_ids) if sampled_at is not None else None,
+            token_texts=token_texts)
+
+    def _texts_of(self, token_ids, top, prompt_ids, prompt_logprobs) -> dict[int, str]:
+        """The text of each token a logprobs answer names: the sampled tokens, their top
+        alternatives, and with prompt_logprobs the prompt's tokens and theirs. This process owns the
+        tokenizer's decoding (the output text too); the ingress only looks these up."""
+        ids = set(token_ids)
+        if top:
+            ids.update(top)
+        if prompt_logprobs is not None:
+            ids.update(prompt_ids)
+            for alternatives in prompt_logprobs.top:
+                if alternatives:
+                    ids.update(alternatives)
+        return {t: self.token_text(t) for t in ids}
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone (special tokens kept, as vLLM's logprob tokens), cached by id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # ---- state for the router ----------------------------------------------------------------
 
