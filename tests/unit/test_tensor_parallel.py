@@ -1,0 +1,148 @@
+"""Tensor parallelism on the CPU (gloo, one process per rank): the engine split over 2 ranks gives
+the same greedy tokens as one rank and log-probabilities within float32 rounding, with prefix caching
+and chunked prefill on; KV heads fewer than the ranks are replicated; a vocabulary the ranks do not
+divide is padded; a size the model cannot take is refused before any process starts."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.config import EngineConfig
+from kvmesh.serve_config import parse_config
+from kvmesh.worker.layers.parallel import QKVParallelLinear, VocabParallelEmbedding
+from kvmesh.worker.model_builder import model_config_for
+from kvmesh.worker.presets import build_byte_tokenizer, hf_config_for
+from kvmesh.worker.tensor_parallel import (TensorParallel, building_with, check_tensor_parallel,
+                                           kv_head_start, local_heads, padded_vocab)
+from tests.unit.reference import hf_greedy
+
+LOGPROB_TOLERANCE = 1e-5  # float32: the all-reduce sums the same terms in another order
+# Small steps and blocks: prompts are chunked (16 tokens a step) and the repeated prompts hit the
+# prefix cache in whole 4-token blocks.
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16)
+PROMPTS = [list(range(1, 40, 3)), list(range(1, 40, 3)) + [9, 8, 7], [300, 12, 99]]
+
+
+def generate(model: str, tensor_parallel_size: int):
+    """Greedy outputs with logprobs and prompt logprobs, then the first two prompts again (now
+    cached); the LLM is closed after."""
+    with LLM(model, tensor_parallel_size=tensor_parallel_size, **ENGINE) as llm:
+        scored = SamplingParams(max_tokens=10, temperature=0, logprobs=2, prompt_logprobs=1)
+        first = llm.generate(prompt_token_ids=PROMPTS, sampling_params=scored, use_tqdm=False)
+        again = llm.generate(prompt_token_ids=PROMPTS[:2], use_tqdm=False,
+                             sampling_params=SamplingParams(max_tokens=10, temperature=0))
+    return first, again
+
+
+def assert_same(single, split):
+    (first1, again1), (first2, again2) = single, split
+    for one, two in zip(first1 + again1, first2 + again2):
+        assert two.token_ids == one.token_ids
+    for one, two in zip(first1, first2):
+        assert two.logprobs == pytest.approx(one.logprobs, abs=LOGPROB_TOLERANCE)
+        assert two.prompt_logprobs.logprobs[1:] == pytest.approx(one.prompt_logprobs.logprobs[1:],
+                                                                 abs=LOGPROB_TOLERANCE)
+    for one, two in zip(again1, again2):
+        assert one.num_cached_tokens == two.num_cached_tokens == 12  # 3 blocks of the 13-token prompt
+
+
+def test_two_ranks_match_one_rank_with_prefix_cache_and_chunked_prefill():
+    model = "random:tiny-qwen3"  # 4 heads, 2 KV heads: one KV head per rank
+    assert_same(generate(model, 1), generate(model, 2))
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated():
+    model = "random:tiny-llama"  # 1 KV head over 2 ranks: each rank holds a copy
+    assert_same(generate(model, 1), generate(model, 2))
+
+
+def test_sharded_checkpoint_load_with_padded_vocabulary_matches_transformers(tmp_path):
+    """A Hugging Face directory (q/k/v biases, untied LM head) with a vocabulary of 509 ids over 2
+    ranks: each rank reads its slices of the full tensors; the padding ids are never sampled."""
+    config = hf_config_for("tiny-qwen2")
+    config.vocab_size = 509
+    torch.manual_seed(5)
+    reference = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.05)
+    reference.save_pretrained(tmp_path)
+    build_byte_tokenizer(509).save_pretrained(tmp_path)
+    prompt = [5, 200, 17, 480, 33, 1]
+    with LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE) as llm:
+        out = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
+                           sampling_params=SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.token_ids == hf_greedy(reference.eval(), prompt, 12)
+
+
+# ---- sizes the model cannot take --------------------------------------------------------------
+
+def test_heads_not_divisible_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide the model's 4 attention heads"):
+        LLM("random:tiny-qwen3", tensor_parallel_size=3, device="cpu")
+
+
+def test_kv_heads_neither_divisible_nor_a_divisor_are_refused():
+    config = dataclasses.replace(model_config_for("random:tiny-qwen3"), num_heads=6, num_kv_heads=3,
+                                 intermediate_size=120)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 must divide the model's 3 KV heads"):
+        check_tensor_parallel(config, 2, torch.device("cpu"), torch_compile=False)
+
+
+def test_more_ranks_than_gpus_is_refused():
+    available = torch.cuda.device_count()
+    size = 2 * max(2, available)  # 4 heads on the CPU machine: a size the heads allow
+    config = dataclasses.replace(model_config_for("random:tiny-qwen3"), num_heads=size, num_kv_heads=size)
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size {size} needs GPUs 0..{size - 1}; "
+                                         rf"this process sees {available}"):
+        check_tensor_parallel(config, size, torch.device("cuda"), torch_compile=False)
+
+
+def test_torch_compile_with_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match="torch_compile is not supported with tensor_parallel_size > 1"):
+        check_tensor_parallel(model_config_for("random:tiny-qwen3"), 2, torch.device("cpu"), torch_compile=True)
+
+
+def test_engine_argument_and_serving_field():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an integer >= 1, got 0"):
+        EngineConfig(tensor_parallel_size=0)
+    cfg = parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 2}})
+    assert cfg.engine_config("w").tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"replicas.num_gpus .*engine.tensor_parallel_size"):
+        parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 1}})
+    assert parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 0}})  # CPU ranks
+
+
+# ---- how the model splits (no processes) ------------------------------------------------------
+
+def test_heads_and_vocabulary_split():
+    assert local_heads(32, 8, 2) == (16, 4)
+    assert local_heads(4, 1, 2) == (2, 1)
+    assert [kv_head_start(8, r, 2) for r in range(2)] == [0, 4]
+    assert [kv_head_start(2, r, 4) for r in range(4)] == [0, 0, 1, 1]  # replicated in pairs
+    assert padded_vocab(509, 2) == 510 and padded_vocab(512, 4) == 512
+
+
+def test_each_rank_loads_its_slice_of_the_full_tensors():
+    hidden, head_dim, heads, kv_heads = 8, 2, 4, 2
+    q = torch.arange(heads * head_dim * hidden, dtype=torch.float32).view(-1, hidden)
+    k = -torch.arange(kv_heads * head_dim * hidden, dtype=torch.float32).view(-1, hidden)
+    v = k - 1000
+    embedding = torch.arange(5 * hidden, dtype=torch.float32).view(5, hidden)
+    for rank in range(2):
+        with building_with(TensorParallel(rank, 2)):
+            qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=False)
+            embed = VocabParallelEmbedding(5, hidden)
+        for shard, full in enumerate((q, k, v)):
+            qkv.weight.weight_loader(qkv.weight, full, shard, "qkv")
+        embed.weight.weight_loader(embed.weight, embedding, None, "embed")
+        q_rows, kv_rows = heads * head_dim // 2, kv_heads * head_dim // 2
+        expected = torch.cat([q[rank * q_rows:(rank + 1) * q_rows], k[rank * kv_rows:(rank + 1) * kv_rows],
+                              v[rank * kv_rows:(rank + 1) * kv_rows]])
+        assert torch.equal(qkv.weight.data, expected)
+        rows = [embedding[0:3], torch.cat([embedding[3:5], torch.zeros(1, hidden)])][rank]  # id 5 pads
+        assert torch.equal(embed.weight.data, rows)
