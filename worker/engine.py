@@ -32,26 +32,30 @@ class Engine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.tp, self._followers = SINGLE, None
-        if config.tensor_parallel_size > 1:
-            self._start_tensor_parallel()
-        loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress, tp=self.tp)
-        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.model_name = loaded.name
-        self.model_path = loaded.path
-        self.eos_token_ids = set(loaded.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        self.block_size = config.block_size
-        self.hash_salt = model_salt(self.model_name)
-        num_blocks = num_kv_blocks(config, self.model_config, self.device, self.dtype, self.tp)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len)
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  self.device, self.dtype, config.attention_backend, config.seed,
-                                  self.max_model_len, enforce_eager=config.enforce_eager,
-                                  max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
-                                  tp=self.tp)
+        try:
+            if config.tensor_parallel_size > 1:
+                self._start_tensor_parallel()
+            loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress, tp=self.tp)
+            self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+            self.model_name = loaded.name
+            self.model_path = loaded.path
+            self.eos_token_ids = set(loaded.eos_token_ids)
+            self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                     self.model_config.max_position_embeddings)
+            self.block_size = config.block_size
+            self.hash_salt = model_salt(self.model_name)
+            num_blocks = num_kv_blocks(config, self.model_config, self.device, self.dtype, self.tp)
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                       self.max_model_len)
+            self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
+                                      self.device, self.dtype, config.attention_backend, config.seed,
+                                      self.max_model_len, enforce_eager=config.enforce_eager,
+                                      max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
+                                      tp=self.tp)
+        except BaseException:
+            self._abandon_tensor_parallel()
+            raise
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # masked by min_tokens
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -78,6 +82,16 @@ class Engine:
         self._followers = Followers(self.config, port, torch.get_num_threads())
         self.device = tensor_parallel.rank_device(self.device, 0)
         self.tp = tensor_parallel.init_group(0, size, port, self.device)
+
+    def _abandon_tensor_parallel(self) -> None:
+        """This rank failed to start: end the others (blocked in a collective) and leave the group."""
+        if self._followers is None:
+            return
+        for process in self._followers.processes:
+            process.kill()
+        self._followers.join()
+        self._followers = None
+        tensor_parallel.destroy_group()
 
     def close(self) -> None:
         """Stop the tensor-parallel followers and leave the group (nothing to do without them)."""

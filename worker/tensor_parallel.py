@@ -15,6 +15,7 @@ multiple of N (the padding rows are zero and their logits are cut before samplin
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -135,6 +136,8 @@ def init_group(rank: int, size: int, port: int, device: torch.device) -> TensorP
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":  # NVLink multicast (NVLS) stays off on the GPU machines (shared/device/README.md)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://{RENDEZVOUS_HOST}:{port}", rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT, **kwargs)

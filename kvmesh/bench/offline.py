@@ -36,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs the model is split over (the floor stays one GPU's)")
     p.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the layers' work outside attention (compiled before the timed run)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
@@ -57,7 +59,8 @@ def engine_args(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                 torch_compile=getattr(args, "torch_compile", False),
-                async_scheduling=getattr(args, "async_scheduling", None))
+                async_scheduling=getattr(args, "async_scheduling", None),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def run(args) -> int:

@@ -117,6 +117,14 @@ def test_engine_argument_and_serving_field():
     assert parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 0}})  # CPU ranks
 
 
+def test_a_rank_that_fails_to_start_ends_the_others_and_leaves_the_group():
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="hold no KV block"):
+        LLM("random:tiny-qwen3", tensor_parallel_size=2, device="cpu", kv_cache_memory_bytes=1)
+    assert not dist.is_initialized()  # so the next engine with tensor_parallel_size > 1 can start
+
+
 # ---- how the model splits (no processes) ------------------------------------------------------
 
 def test_heads_and_vocabulary_split():
@@ -146,3 +154,44 @@ def test_each_rank_loads_its_slice_of_the_full_tensors():
         assert torch.equal(qkv.weight.data, expected)
         rows = [embedding[0:3], torch.cat([embedding[3:5], torch.zeros(1, hidden)])][rank]  # id 5 pads
         assert torch.equal(embed.weight.data, rows)
+
+
+# ---- in a worker replica's engine process -----------------------------------------------------
+
+def test_an_engine_process_runs_two_ranks_and_stops_them():
+    """The serving transport (cluster/engine_process.py): its engine child starts the follower rank,
+    serves a request with TP=1's tokens, and on Stop both processes exit."""
+    import queue
+
+    import psutil
+
+    from kvmesh.cluster.engine_core import StepReport, Submit
+    from kvmesh.cluster.engine_process import EngineProcess
+    from kvmesh.protocol import EngineRequest
+
+    prompt, params = PROMPTS[1], SamplingParams(max_tokens=8, temperature=0)
+    with LLM("random:tiny-qwen3", **ENGINE) as llm:
+        expected = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].token_ids
+    config = EngineConfig(model="random:tiny-qwen3", worker_id="w0", tensor_parallel_size=2,
+                          **ENGINE)
+    transport = EngineProcess(config, num_threads=1)
+    engine_child = psutil.Process(transport.pid)
+    ranks = [p for p in engine_child.children()  # (spawn also starts its resource tracker)
+             if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(ranks) == 1  # rank 1 (rank 0 is the engine process itself)
+    outputs = queue.Queue()
+    transport.start(outputs.put)
+    transport.send(Submit(EngineRequest("r0", prompt, params)))
+    tokens = []
+    while True:
+        report = outputs.get(timeout=60)
+        assert isinstance(report, StepReport), report
+        for delta in report.deltas:
+            tokens.extend(delta.token_ids)
+        if any(d.finished for d in report.deltas):
+            break
+    assert tokens == expected
+    transport.stop()
+    assert transport.exit_status() == "exit status 0"
+    psutil.wait_procs(ranks, timeout=30)
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
