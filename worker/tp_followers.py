@@ -6,14 +6,19 @@ step with rank 0's) and then runs every step rank 0 broadcasts until told to sto
 of start-up happen in the same order on every rank: group, KV sizing, graph capture.
 
 Processes are started with the `spawn` method (CUDA cannot be used in a forked child) and as
-daemons, so they end with the process of rank 0; a follower that fails logs its traceback and exits,
-which ends rank 0's next collective with an error (or its timeout, tensor_parallel.COLLECTIVE_TIMEOUT).
+daemons, so they end with the process of rank 0 when it exits; a follower also exits within a second
+of rank 0's process dying without exiting (a SIGKILL), which daemons alone do not cover. A follower
+that fails logs its traceback and exits, which ends rank 0's next collective with an error (or its
+timeout, tensor_parallel.COLLECTIVE_TIMEOUT).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import threading
+import time
 
 import torch
 
@@ -51,6 +56,7 @@ def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) 
     from kvmesh.worker.model_runner import ModelRunner
     from kvmesh.worker.tensor_parallel import destroy_group, init_group, rank_device
 
+    _exit_with_parent(os.getppid())
     torch.set_num_threads(num_threads)
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     device = rank_device(device, rank)
@@ -69,3 +75,14 @@ def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) 
         raise
     finally:
         destroy_group()
+
+
+def _exit_with_parent(parent_pid: int, interval_s: float = 1.0) -> None:
+    """Exit when rank 0's process is gone (this process is then re-parented). The main thread may
+    be blocked in a collective that never ends; collectives release the GIL, so this thread runs."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvmesh-tp-parent-watch", daemon=True).start()

@@ -121,6 +121,8 @@ def run(args) -> int:
         "model": args.model, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
+        # the floor below is one GPU's, whatever the tensor-parallel size
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
         "structured_outputs": "none" if structured is None else "json",
         # with ignore_eos only a complete grammar ends a request before its max_tokens
         "grammar_completed": sum(o.finish_reason == "stop" for o in outputs),

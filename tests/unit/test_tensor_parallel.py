@@ -4,6 +4,7 @@ and chunked prefill on; KV heads fewer than the ranks are replicated; a vocabula
 divide is padded; a size the model cannot take is refused before any process starts."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kvmesh.worker.tensor_parallel import (TensorParallel, building_with, check_
                                            kv_head_start, local_heads, padded_vocab)
 from tests.unit.reference import hf_greedy
 
+REPO = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 1e-5  # float32: the all-reduce sums the same terms in another order
 # Small steps and blocks: prompts are chunked (16 tokens a step) and the repeated prompts hit the
 # prefix cache in whole 4-token blocks.
@@ -195,3 +197,23 @@ def test_an_engine_process_runs_two_ranks_and_stops_them():
     assert transport.exit_status() == "exit status 0"
     psutil.wait_procs(ranks, timeout=30)
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+def test_a_follower_exits_when_rank_0_is_killed():
+    """SIGKILL skips the exit handlers that end daemon processes: the follower notices alone."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("import time; from kvmesh import LLM\n"
+              "llm = LLM('random:tiny-qwen3', device='cpu', tensor_parallel_size=2)\n"
+              "print(llm.engine._followers.processes[0].pid, flush=True); time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=str(REPO))
+    try:
+        follower = psutil.Process(int(rank0.stdout.readline()))
+    finally:
+        rank0.kill()
+        rank0.wait(timeout=30)
+    follower.wait(timeout=30)  # psutil.TimeoutExpired if it lingers
