@@ -217,3 +217,15 @@ def test_a_follower_exits_when_rank_0_is_killed():
         rank0.kill()
         rank0.wait(timeout=30)
     follower.wait(timeout=30)  # psutil.TimeoutExpired if it lingers
+
+
+def test_a_local_serve_refuses_more_gpus_per_worker_than_the_machine_has(monkeypatch):
+    from kvmesh.cluster import launcher
+
+    monkeypatch.setattr(launcher, "_local_gpus", lambda: 1)
+    cfg = parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 2}})
+    with pytest.raises(ValueError, match=r"replicas.num_gpus is 2 \(engine.tensor_parallel_size 2\) "
+                                         r"but this machine has 1 GPU"):
+        launcher.fit_to_this_machine(cfg, address=None)
+    monkeypatch.setattr(launcher, "_local_gpus", lambda: 2)
+    assert launcher.fit_to_this_machine(cfg, address=None) is cfg
