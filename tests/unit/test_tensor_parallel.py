@@ -229,3 +229,11 @@ def test_a_local_serve_refuses_more_gpus_per_worker_than_the_machine_has(monkeyp
         launcher.fit_to_this_machine(cfg, address=None)
     monkeypatch.setattr(launcher, "_local_gpus", lambda: 2)
     assert launcher.fit_to_this_machine(cfg, address=None) is cfg
+
+
+def test_a_worker_replica_owns_all_its_ranks_gpus():
+    """One Ray actor with N GPUs (Ray puts them on one node); its engine process runs the N ranks."""
+    from kvmesh.cluster.app import worker_options
+
+    options = worker_options(parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 2}}))
+    assert options["ray_actor_options"]["num_gpus"] == 2
