@@ -61,6 +61,11 @@ def test_fewer_kv_heads_than_ranks_are_replicated():
     assert_same(generate(model, 1), generate(model, 2))
 
 
+def test_mixture_of_experts_layers_run_replicated_beside_split_attention():
+    model = "random:tiny-qwen3-moe"  # experts whole on each rank (not split yet); attention split
+    assert_same(generate(model, 1), generate(model, 2))
+
+
 def test_sharded_checkpoint_load_with_padded_vocabulary_matches_transformers(tmp_path):
     """A Hugging Face directory (q/k/v biases, untied LM head) with a vocabulary of 509 ids over 2
     ranks: each rank reads its slices of the full tensors; the padding ids are never sampled."""
