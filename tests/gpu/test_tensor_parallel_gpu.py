@@ -55,7 +55,7 @@ def reference():
     return generate(1, logprobs=TOP_K)[0]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])  # CUDA graphs (all-reduce captured) or not
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])  # all-reduce captured or not
 def test_two_gpus_give_one_gpus_greedy_tokens(reference, enforce_eager):
     outs, again = generate(2, enforce_eager=enforce_eager)
     assert_near(reference, outs, f"TP=2{' eager' if enforce_eager else ''}")
