@@ -32,6 +32,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     worker_id: str = "worker-0"
+    # Ranks (GPUs, or CPU processes) one engine's model is split over by heads (worker/tensor_parallel.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         def fail(name, limit):
@@ -54,6 +56,8 @@ class EngineConfig:
             fail("gpu_memory_utilization", "in (0, 1]")
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "an integer >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             fail("dtype", "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

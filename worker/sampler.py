@@ -5,8 +5,15 @@ The batch is sampled with tensor operations and one host sync (the final .tolist
 request draws its randomness from its own generator, so its output does not depend on what else is
 in the batch. Sampling uses the exponential race (argmax of p / Exp(1)), which equals multinomial
 sampling and needs one random vector per row.
+
+On a GPU, a batch whose rows ask for nothing but a temperature (no top-k / top-p / min-p, penalties,
+biases, min_tokens, grammar, logprobs or per-request seed) is sampled by one Triton kernel that
+reads the logits once (kvmesh.kernels.sample: the Gumbel-max form of the same race; its Philox
+stream is seeded from this sampler's seed, one draw per step).
 """
 
+import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +128,13 @@ class PendingSample:
         return SampleResult(token_list, logprobs.tolist(), tops)
 
 
+def _temperature_only(p: SamplingParams, request) -> bool:
+    """Whether a row needs nothing of the general path but its temperature (the fused kernel)."""
+    return (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.uses_penalties
+            and not p.logit_bias and not p.min_tokens and not p.needs_sampled_logprobs
+            and getattr(request, "generator", None) is None and getattr(request, "grammar", None) is None)
+
+
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or not t.is_cuda:
         return t
@@ -135,14 +149,23 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)  # masked by min_tokens (the engine sets it)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._step_seeds = random.Random(seed)  # the fused kernel's Philox seed, one per step
+        # the one-launch path for temperature-only batches; KVMESH_FUSED_SAMPLER=0 turns it off (A/B runs)
+        self.fused = device.type == "cuda" and os.environ.get("KVMESH_FUSED_SAMPLER", "1") != "0"
 
     def sample(self, logits: torch.Tensor, requests) -> SampleResult:
         return self.sample_async(logits, requests).result()
 
     def sample_async(self, logits: torch.Tensor, requests) -> PendingSample:
         """logits: [N, vocab] for N requests (in order); one token per request, left on the device."""
-        logits = logits.float()
         params = [r.sampling_params for r in requests]
+        if self.fused and logits.is_cuda and all(_temperature_only(p, r) for p, r in zip(params, requests)):
+            from kvmesh.kernels.sample import sample_from_logits
+            inv_temperature = to_device([1.0 / p.temperature if p.temperature > 0 else 0.0 for p in params],
+                                        torch.float32, logits.device)
+            tokens = sample_from_logits(logits, inv_temperature, self._step_seeds.getrandbits(31))
+            return PendingSample(requests, tokens, None, None, None)
+        logits = logits.float()
         if any(p.logit_bias or p.min_tokens for p in params):  # before penalties, as vLLM
             logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
         for i, req in enumerate(requests):

@@ -28,6 +28,9 @@ def register(subparsers) -> None:
     seed.add_argument("--seeds", metavar="SPEC",
                       help="run every policy on each of several seeds and report the mean and 95%% "
                            "interval: a range 0-9, a list 0,3,5 or a count 10 (seeds 0..9)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --seeds: run this many seeds at once, each in its own process (the same "
+                        "results; decision times then share the CPU) (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="PATH.png",
                    help="write a TTFT-per-policy figure (with --seeds: TTFT p99 with interval bars)")
@@ -89,6 +92,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.requests < 1:
         raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1 and args.seeds is None:
+        raise ValueError("--jobs runs seeds in parallel: give --seeds too")
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
     load = args.load if args.load is not None or args.rate is not None else 0.7
@@ -121,7 +128,8 @@ def _run_seeds(args: argparse.Namespace, policies: list[str], config, seeds: lis
 
     try:
         report = run_seeds(args.workload, policies, config, seeds, num_requests=args.requests, load=load,
-                           rate=args.rate, progress=not args.no_progress, workload_options=options)
+                           rate=args.rate, progress=not args.no_progress, workload_options=options,
+                           jobs=args.jobs)
     except TypeError as e:  # an unknown --workload-opt key
         raise ValueError(f"workload {args.workload}: {e}") from None
     if args.plot:

@@ -92,3 +92,28 @@ def test_table_and_interval_plot(capsys, tmp_path):
     assert "2 seeds (0,5); mean [95% t-interval]" in out
     assert "minus kv_events, paired by seed" in out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seeds_in_parallel_processes_give_the_same_reports(capsys):
+    """`--jobs 2` runs the seeds in child processes: every simulated quantity equals the sequential
+    run's (decision times and the run's wall time are clock readings and differ)."""
+    args = ["sim", *SMALL, "--policy", "kv_events,round_robin", "--seeds", "0-2", "--json"]
+
+    def reports(extra):
+        assert main(args + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        return [{p: {k: v for k, v in m.items() if not k.startswith(("decision", "wall"))}
+                 for p, m in r["policies"].items()} for r in out["per_seed"]], out["seeds"]
+
+    sequential, seeds = reports([])
+    parallel, parallel_seeds = reports(["--jobs", "2"])
+    assert seeds == parallel_seeds == [0, 1, 2]
+    assert parallel == sequential
+    assert sequential[0] != sequential[1]  # the seeds are different traces
+
+
+@pytest.mark.parametrize("extra, message", [(["--jobs", "0", "--seeds", "2"], "--jobs must be >= 1"),
+                                            (["--jobs", "2"], "give --seeds too")])
+def test_bad_jobs_name_the_flag(extra, message, capsys):
+    assert main(["sim", *SMALL, *extra]) != 0
+    assert message in capsys.readouterr().err

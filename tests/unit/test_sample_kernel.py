@@ -1,0 +1,69 @@
+"""The fused sampling kernel (kvmesh.kernels.sample) on the CPU, under Triton's interpreter
+(TRITON_INTERPRET=1, in a child process: the variable must be set before triton is imported). The
+same kernel at full size on a GPU: tests/gpu/test_fused_sampler.py."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import json, math, torch
+    from kvmesh.kernels.sample import sample_from_logits
+    out = {}
+    # greedy rows (inverse temperature 0): torch.argmax, the lowest id of a tie, across blocks
+    logits = torch.randn(4, 2100)
+    logits[1, 7] = logits[1, 2090] = 50.0          # a tie: 7 wins
+    logits[2, 2049] = 60.0                         # the maximum in the second block
+    logits[3] = 1.0                                # every logit tied: id 0
+    out["greedy"] = sample_from_logits(logits, torch.zeros(4), 0).tolist()
+    out["greedy_chunks"] = sample_from_logits(logits, torch.zeros(4), 0, chunk=1024).tolist()
+    out["argmax"] = torch.argmax(logits, dim=-1).tolist()
+    out["bf16"] = sample_from_logits(logits.bfloat16(), torch.zeros(4), 0).tolist()
+    # sampled rows: softmax(logit / T) over three ids in two blocks, the rest ruled out
+    rows, t = 150, 0.7
+    logits = torch.full((rows, 2100), -1e4)
+    logits[:, 3], logits[:, 1500], logits[:, 2099] = 1.0, 0.5, 0.0
+    a = sample_from_logits(logits, torch.full((rows,), 1 / t), 1234, chunk=1024).tolist()
+    out["counts"] = [a.count(i) for i in (3, 1500, 2099)]
+    out["expected"] = (torch.softmax(torch.tensor([1.0, 0.5, 0.0]) / t, 0) * rows).tolist()
+    out["same_seed"] = sample_from_logits(logits[:32], torch.full((32,), 1 / t), 1234, chunk=1024).tolist() == a[:32]
+    out["other_seed"] = sample_from_logits(logits[:32], torch.full((32,), 1 / t), 99, chunk=1024).tolist() != a[:32]
+    # a greedy row and a sampled row in one launch
+    mixed = torch.full((2, 2100), -1e4); mixed[:, 5], mixed[:, 6] = 1.0, 0.9
+    out["mixed_greedy"] = sample_from_logits(mixed, torch.tensor([0.0, 1.0]), 7).tolist()[0]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_greedy_rows_are_torch_argmax_with_the_lowest_id_on_ties(result):
+    assert result["greedy"] == result["greedy_chunks"] == result["argmax"]  # one chunk or three
+    assert result["greedy"][1:] == [7, 2049, 0]
+    assert result["bf16"] == result["greedy"]  # read in the logits' own dtype
+    assert result["mixed_greedy"] == 5
+
+
+def test_sampled_rows_follow_softmax_over_temperature(result):
+    counts, expected = result["counts"], result["expected"]
+    assert sum(counts) == 150  # nothing outside the three ids with mass
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
+    assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+
+
+def test_the_seed_picks_the_stream(result):
+    assert result["same_seed"] and result["other_seed"]
