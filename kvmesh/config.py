@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class EngineConfig:
     worker_id: str = "worker-0"
     # Ranks (GPUs, or CPU processes) one engine's model is split over by heads (worker/tensor_parallel.py)
     tensor_parallel_size: int = 1
+    # None: weights in `dtype`; "fp8": the linear layers' weights quantized to FP8 (e4m3, one scale
+    # per tensor) at load, activations per tensor at each call (worker/layers/fp8.py), as vLLM's
+    quantization: str | None = None
 
     def __post_init__(self):
         def fail(name, limit):
@@ -58,6 +62,8 @@ class EngineConfig:
             fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "an integer >= 1")
+        if self.quantization not in QUANTIZATIONS:
+            fail("quantization", "None or 'fp8'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             fail("dtype", "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -43,6 +43,7 @@ class EngineSection(_Strict):
     torch_compile: bool = Field(False, description="torch.compile each layer's work outside attention (fuses residual adds into the norms, q/k norm into rotary); compiles when the worker starts.")
     seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each worker splits its model over by attention heads (tensor parallelism, one process per GPU, NCCL); the worker is still one replica to the router. Needs replicas.num_gpus equal to it (or 0: CPU processes with gloo, for tests).")
+    quantization: Literal["fp8"] | None = Field(None, description="Weight quantization at load: null = weights in dtype; fp8 = the linear layers' weights in FP8 (e4m3, one scale per tensor, activations scaled per tensor at each step; vLLM's --quantization fp8), half their memory. Needs a GPU of compute capability 8.9+ (Ada, Hopper); not for mixture-of-experts models.")
 
 
 class ReplicasSection(_Strict):
@@ -172,7 +173,7 @@ class ServeConfig(_Strict):
             gpu_memory_utilization=e.gpu_memory_utilization,
             enable_prefix_caching=e.enable_prefix_caching, attention_backend=e.attention_backend,
             enforce_eager=e.enforce_eager, torch_compile=e.torch_compile, seed=e.seed, worker_id=worker_id,
-            tensor_parallel_size=e.tensor_parallel_size)
+            tensor_parallel_size=e.tensor_parallel_size, quantization=e.quantization)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

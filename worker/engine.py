@@ -35,7 +35,8 @@ class Engine:
         try:
             if config.tensor_parallel_size > 1:
                 self._start_tensor_parallel()
-            loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress, tp=self.tp)
+            loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress, tp=self.tp,
+                                 quantization=config.quantization)
             self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
             self.model_name = loaded.name
             self.model_path = loaded.path

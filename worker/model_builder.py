@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.worker.layers.fp8 import check_quantization, quantize_linear_weights
 from kvmesh.worker.loader import (iter_safetensors, load_hf_config, load_tokenizer_for,
                                   resolve_model)
 from kvmesh.worker.model_config import ModelConfig
@@ -47,12 +48,15 @@ def model_config_for(model: str) -> ModelConfig:
 
 
 def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                progress: bool = False, tp: TensorParallel = SINGLE) -> LoadedModel:
-    """The model (this rank's shard of it under tensor parallelism: `tp`), its config and tokenizer."""
+                progress: bool = False, tp: TensorParallel = SINGLE,
+                quantization: str | None = None) -> LoadedModel:
+    """The model (this rank's shard of it under tensor parallelism: `tp`), its config and tokenizer;
+    with quantization="fp8" the linear layers' weights (the rank's shards) become FP8 after loading."""
     source = resolve_model(model)
     hf_config = load_hf_config(source)
     arch, model_class = model_class_for(hf_config, source.name)
     config = model_class.config_from_hf(hf_config, source.name, arch)
+    check_quantization(quantization, device, moe=config.moe is not None)
     tokenizer = load_tokenizer_for(source)
     with torch.device(device), building_with(tp):
         net = model_class(config, config.max_position_embeddings)
@@ -67,6 +71,8 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int 
         net.load_hf_weights(weights)
     for param in net.parameters():  # RoPE tables stay float32 (they are buffers)
         param.data = param.data.to(dtype)
+    if quantization == "fp8":
+        quantize_linear_weights(net)
     net.eval()
     return LoadedModel(net, config, tokenizer, source.name, eos_ids(config, tokenizer, source), source.path)
 

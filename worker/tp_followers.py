@@ -62,7 +62,7 @@ def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) 
     device = rank_device(device, rank)
     try:
         tp = init_group(rank, config.tensor_parallel_size, port, device)
-        loaded = build_model(config.model, device, dtype, config.seed, tp=tp)
+        loaded = build_model(config.model, device, dtype, config.seed, tp=tp, quantization=config.quantization)
         max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                             loaded.config.max_position_embeddings)
         blocks = num_kv_blocks(config, loaded.config, device, dtype, tp)

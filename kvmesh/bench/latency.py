@@ -18,6 +18,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: the linear layers' weights in FP8 (e4m3, per-tensor scales), as vLLM's")
     p.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the layers' work outside attention")
     p.add_argument("--prompt-len", type=int, default=1024, help="TTFT prompt length (default 1024)")
@@ -36,6 +38,7 @@ def run(args) -> int:
     llm = LLM(model=args.model, device=args.device, attention_backend=args.attention_backend,
               block_size=block_size, enforce_eager=args.enforce_eager, max_num_seqs=8,
               torch_compile=args.torch_compile, tensor_parallel_size=args.tensor_parallel_size,
+              quantization=args.quantization,
               max_num_batched_tokens=max(2048, args.prompt_len),
               max_model_len=max(4096, args.prompt_len + 8, args.decode_prompt_len + args.output_len + 8))
     vocab = llm.engine.model_config.vocab_size
@@ -60,7 +63,7 @@ def run(args) -> int:
         tpots.extend(b - a for a, b in zip(times, times[1:]))
     result = {"model": args.model, "attention_backend": llm.engine.runner.backend.name,
               "cuda_graphs": getattr(llm.engine.runner, "graph_runner", None) is not None,
-              "torch_compile": llm.engine.config.torch_compile,
+              "torch_compile": llm.engine.config.torch_compile, "quantization": llm.engine.config.quantization,
               "ttft_ms": 1e3 * statistics.median(ttfts), "ttft_prompt_len": args.prompt_len,
               "tpot_ms": 1e3 * statistics.median(tpots), "tpot_p90_ms": 1e3 * _quantile(tpots, 0.9),
               "tpot_output_len": args.output_len}

@@ -12,6 +12,9 @@ Each parameter carries a `weight_loader(param, full_tensor, shard=None)` that co
 of the full checkpoint tensor (the model's load_hf_weights calls it), so weights are sharded at load;
 `full_shape` and `load_full(param, full_tensor)` (a fused layer's parts in one tensor) let random
 weights be drawn at the full model's shapes, so every tensor-parallel size gets the same model.
+
+The linear layers' `weight_scale` is None in the model dtype; with quantization="fp8" it is set after
+loading, when the weight becomes float8_e4m3fn (layers/fp8.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker import tensor_parallel
+from kvmesh.worker.layers.fp8 import fp8_linear
 from kvmesh.worker.tensor_parallel import kv_head_start, local_heads, padded_vocab
 
 
@@ -28,6 +32,13 @@ def _attach(param: nn.Parameter, loader, full_shape: tuple[int, ...], load_full=
     param.weight_loader = loader
     param.full_shape = tuple(full_shape)
     param.load_full = load_full or (lambda p, tensor: loader(p, tensor, None, "random"))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, bias)
 
 
 def _check_shape(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -51,9 +62,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         if self.bias is not None:
             _attach(self.bias, self.load, (sum(output_sizes),), self.load_parts)
+        self.register_buffer("weight_scale", None)  # [1] float32 once quantized to FP8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.weight_scale, self.bias)
 
     def load_parts(self, param: torch.Tensor, tensor: torch.Tensor) -> None:
         """The full layer's tensor, its fused parts stacked on dim 0."""
@@ -113,9 +125,10 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size // self.tp.size))
         _attach(self.weight, self.load, (output_size, input_size))
+        self.register_buffer("weight_scale", None)  # [1] float32 once quantized to FP8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(_linear(x, self.weight, self.weight_scale))
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, tensor: torch.Tensor, shard: int | None = None, name: str = "") -> None:
