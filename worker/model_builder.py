@@ -73,6 +73,8 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int 
         param.data = param.data.to(dtype)
     if quantization == "fp8":
         quantize_linear_weights(net)
+        if device.type == "cuda":  # the bf16 weights' blocks, so the KV pool's sizing sees them free
+            torch.cuda.empty_cache()
     net.eval()
     return LoadedModel(net, config, tokenizer, source.name, eos_ids(config, tokenizer, source), source.path)
 

@@ -138,6 +138,7 @@ def run(args) -> int:
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
         # the floor below is one GPU's, whatever the tensor-parallel size
         "tensor_parallel_size": engine.config.tensor_parallel_size,
+        # the floor stays the dtype model's (weights read at dtype bytes, bf16 matmul rate) with fp8 too
         "quantization": engine.config.quantization,
         "structured_outputs": "none" if structured is None else "json",
         # with ignore_eos only a complete grammar ends a request before its max_tokens
