@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from kvmesh import LLM, SamplingParams
 from kvmesh.config import EngineConfig
 from kvmesh.serve_config import parse_config
-from kvmesh.worker.layers.fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_linear, quantize_per_tensor
+from kvmesh.worker.layers.fp8 import (FP8_DTYPE, FP8_MAX, check_quantization, dequantize, fp8_linear,
+                                      quantize_per_tensor)
 from kvmesh.worker.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from kvmesh.worker.model_builder import build_model
 
@@ -143,3 +144,12 @@ def test_serving_field_reaches_the_engine_config():
     assert cfg.engine_config("w").quantization == "fp8"
     with pytest.raises(ValueError, match="quantization"):
         parse_config({"engine": {"quantization": "int8"}})
+
+
+def test_a_gpu_without_fp8_support_is_refused_naming_the_field(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"quantization='fp8' needs a GPU of compute capability 8.9 or newer "
+                                         r"\(Ada, Hopper\); NVIDIA A100 is 8.0"):
+        check_quantization("fp8", torch.device("cuda:0"), moe=False)
+    check_quantization(None, torch.device("cuda:0"), moe=True)  # nothing to check without quantization
