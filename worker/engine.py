@@ -14,6 +14,7 @@ from kvmesh.protocol import (EngineRequest, KVEventBatch, KVSnapshot, TokenDelta
                              check_prompt_size)
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
+from kvmesh.worker.kv_cache import kv_cache_torch_dtype
 from kvmesh.worker.model_builder import build_model, resolve_device_dtype
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.parallel_sampling import sequence_params
@@ -30,6 +31,7 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: bool = False):
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = loaded.name
@@ -46,7 +48,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
                                   self.device, self.dtype, config.attention_backend, config.seed,
                                   self.max_model_len, enforce_eager=config.enforce_eager,
-                                  max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile)
+                                  max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # masked by min_tokens
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -62,7 +65,7 @@ class Engine:
     # ---- sizing ------------------------------------------------------------------------------
 
     def _num_kv_blocks(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()  # 1 for an FP8 cache
         bytes_per_block = self.model_config.kv_bytes_per_token * elem * self.config.block_size
         budget = self.config.kv_cache_memory_bytes
         if budget is None:

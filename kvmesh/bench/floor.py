@@ -60,6 +60,7 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     dtype_bytes: int = 2
+    kv_dtype_bytes: int | None = None  # the KV cache's element size (1 for FP8); None: dtype_bytes
 
     @property
     def layer_params(self) -> int:
@@ -79,7 +80,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        kv_bytes = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * kv_bytes
 
 
 class FloorCounter:
