@@ -26,7 +26,7 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, s
                          stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                          stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_KV: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,8 +54,10 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, s
         slot_off = block_ids * stride_cache_block + (offs_n % PAGE) * stride_cache_slot + kv_base
         k = tl.load(k_cache + slot_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
         v = tl.load(v_cache + slot_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
-        k = k.to(q.dtype)  # a no-op unless the cache is FP8
-        v = v.to(q.dtype)
+        if FP8_KV:  # e4m3 -> float32 -> q's dtype: exact (every e4m3 value is a bf16 / fp16 value)
+            k = k.to(tl.float32).to(q.dtype)
+        if FP8_KV:
+            v = v.to(tl.float32).to(q.dtype)
         s = tl.dot(q, k) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,12 +68,16 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, s
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        out = acc * (v_scale / l_i)[:, None]
+        out = acc / l_i[:, None]
+        if FP8_KV:
+            out = out * v_scale
         tl.store(out_ptr + seq * stride_o_token + heads[:, None] * stride_o_head + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         empty = l_i == 0.0  # a split past the end of a short context
-        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        if FP8_KV:  # the merge is a weighted mean of the splits: scaling each scales the result
+            out = out * v_scale
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [S, H, splits] flattened
         tl.store(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
@@ -119,12 +125,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse = torch.empty(num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    fp8 = k_cache.dtype == torch.float8_e4m3fn  # else the scales are unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables, scale * k_scale * LOG2E, float(v_scale),
+        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+        scale * (k_scale if fp8 else 1.0) * LOG2E, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, HEAD_DIM=head_dim,
-        BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        BLOCK_N=64, NUM_SPLITS=num_splits, FP8_KV=fp8, num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),

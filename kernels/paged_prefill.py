@@ -22,7 +22,7 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq
                           stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                           stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
                           GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_KV: tl.constexpr):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -56,7 +56,8 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq
         block_ids = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         slot_off = block_ids * stride_cache_block + (offs_n % PAGE) * stride_cache_slot + kv_base
         k = tl.load(k_cache + slot_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
-        k = k.to(q.dtype)  # a no-op unless the cache is FP8
+        if FP8_KV:  # e4m3 -> float32 -> q's dtype: exact (every e4m3 value is a bf16 / fp16 value)
+            k = k.to(tl.float32).to(q.dtype)
         s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
         if start + BLOCK_N > full_end:
             s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -65,10 +66,13 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + slot_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
-        v = v.to(q.dtype)
+        if FP8_KV:
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc * (v_scale / l_i)[:, None]
+    out = acc / l_i[:, None]
+    if FP8_KV:
+        out = out * v_scale
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -89,9 +93,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m = 64 if max_query_len > 32 else 16
     block_n = 64
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn  # else the scales are unused
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * k_scale * LOG2E, float(v_scale),
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * (k_scale if fp8 else 1.0) * LOG2E, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, PAGE=page, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, FP8_KV=fp8, num_warps=4, num_stages=2)
