@@ -3,7 +3,7 @@
 Cache layout (see kvmesh.worker.attention.base): [num_blocks, block_size, num_kv_heads, head_dim],
 so slot s addresses row s of the cache viewed as [num_blocks * block_size, num_kv_heads * head_dim].
 A negative slot (padding in a CUDA-graph batch) is skipped. Into an FP8 (float8_e4m3fn) cache it
-stores K / k_scale and V / v_scale, clamped to e4m3's +-448 (the scales are the layer's per-tensor
+stores K * (1 / k_scale) and V * (1 / v_scale), clamped to e4m3's +-448 (the scales are the layer's per-tensor
 scales; the attention kernels multiply them back in).
 """
 
@@ -14,7 +14,7 @@ import triton.language as tl
 FP8_E4M3_MAX = 448.0
 
 @triton.jit
-def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
                           stride_k_token, stride_v_token, stride_cache_slot,
                           ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     token = tl.program_id(0)
@@ -26,8 +26,8 @@ def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping, k_scale, v
     k = tl.load(key + token * stride_k_token + offs, mask=mask)
     v = tl.load(value + token * stride_v_token + offs, mask=mask)
     if FP8:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
     tl.store(k_cache + slot * stride_cache_slot + offs, k.to(k_cache.dtype.element_ty), mask=mask)
     tl.store(v_cache + slot * stride_cache_slot + offs, v.to(v_cache.dtype.element_ty), mask=mask)
 
@@ -50,6 +50,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert fp8 or k_cache.dtype == key.dtype, "a cache is in the model dtype or float8_e4m3fn"
     _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
+        # x * (1 / scale) in float32, as worker/kv_cache.quantize_fp8: the same bytes (Triton's
+        # float32 division is approximate)
+        key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), value.stride(0), row,
         ROW=row, BLOCK=triton.next_power_of_2(row), FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=4)

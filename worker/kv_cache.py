@@ -28,8 +28,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale, clamped to +-448, cast to float8_e4m3fn (rounding to nearest)."""
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    """x / scale (as x * (1 / scale) in float32, the store kernel's arithmetic), clamped to +-448,
+    cast to float8_e4m3fn (rounding to nearest even)."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def dequantize(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
