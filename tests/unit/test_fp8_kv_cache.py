@@ -4,6 +4,7 @@ errors of the option. The Triton kernels' FP8 paths: test_fp8_kv_kernels.py; on 
 tests/gpu/test_fp8_kv_cache_gpu.py."""
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from attention_cases import fp8_case, make_case, reference_attention, relative_error  # noqa: E402
 
 from kvmesh import LLM, SamplingParams  # noqa: E402
+from kvmesh.bench.floor import ModelShape  # noqa: E402
 from kvmesh.config import EngineConfig  # noqa: E402
 from kvmesh.serve_config import parse_config  # noqa: E402
 from kvmesh.worker.attention import registry  # noqa: E402
@@ -123,3 +125,23 @@ def test_a_backend_built_directly_checks_the_kv_cache_dtype():
     with pytest.raises(ValueError, match=r"attention_backend 'torch' needs kv_cache_dtype \(engine\.kv_cache_dtype "
                                          r"in a serve config\) to be one of auto, fp8_e4m3, got e5m2"):
         TorchAttentionBackend(2, 1, 8, 4, 1.0, torch.device("cpu"), torch.float32, kv_cache_dtype="e5m2")
+
+
+def test_bench_offline_and_latency_take_the_kv_cache_dtype(capsys):
+    from kvmesh.cli import main
+
+    tiny = ["--model", "random:tiny-qwen3", "--device", "cpu", "--kv-cache-dtype", "fp8", "--json"]
+    assert main(["bench", "offline", *tiny, "--num-prompts", "2", "--max-input-len", "16",
+                 "--max-output-len", "6", "--min-len", "4"]) == 0
+    offline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert offline["kv_cache_dtype"] == "fp8" and offline["output_tokens"] > 0
+    assert main(["bench", "latency", *tiny, "--prompt-len", "16", "--decode-prompt-len", "4",
+                 "--output-len", "3", "--repeats", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kv_cache_dtype"] == "fp8"
+
+
+def test_the_floor_counts_an_fp8_cache_at_one_byte_per_element():
+    shape = dict(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
+                 vocab_size=10, tie_word_embeddings=True)
+    assert ModelShape(**shape, kv_dtype_bytes=1).kv_bytes_per_token * 2 == ModelShape(**shape).kv_bytes_per_token
+    assert ModelShape(**shape, kv_dtype_bytes=1).weight_bytes == ModelShape(**shape).weight_bytes
