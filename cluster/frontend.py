@@ -185,7 +185,7 @@ class Frontend:
         return ApiError(503, message, type="server_error", code="worker_failed", retry_after_s=1)
 
     def account(self, routed: RoutedRequest, first_token: float | None, last: TokenDelta | None,
-                num_output_tokens: int, status: int) -> None:
+                num_output_tokens: int, status: int, token_gaps: list[float] = ()) -> None:
         self.metrics.observe_status(self.model_name, status)
         if last is None or status != 200:
             return
@@ -196,11 +196,14 @@ class Frontend:
             prompt_tokens, num_output_tokens, last.num_cached_tokens)
         self.metrics.observe_engine_times(self.model_name, last, first_token, end,
                                           num_output_tokens, prompt_tokens,
-                                          last.num_cached_tokens, routed.arrival_time)
+                                          last.num_cached_tokens, routed.arrival_time, token_gaps)
 
-    def account_abort(self, routed: RoutedRequest, num_output_tokens: int) -> None:
-        """A request that ended before it finished: its client went away or aborted it."""
-        self.metrics.observe_abort(self.model_name, routed.num_prompt_tokens, num_output_tokens)
+    def account_abort(self, routed: RoutedRequest, num_output_tokens: int,
+                      token_gaps: list[float] = ()) -> None:
+        """A request that ended before it finished: its client went away or aborted it, streamed
+        or not."""
+        self.metrics.observe_abort(self.model_name, routed.num_prompt_tokens, num_output_tokens,
+                                   token_gaps)
 
     def count_retry(self) -> None:
         """A request sent again after its worker died (counted whatever the request's end)."""

@@ -15,15 +15,19 @@ Closing the generator early (client gone) cancels the worker call, which aborts 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
 
 import ray
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError
 
 from kvmesh.cluster.engine_loop import EngineUnavailable
 from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.cluster.metrics import TokenGaps
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 
@@ -41,15 +45,34 @@ def overloaded() -> ApiError:
                     retry_after_s=OVERLOAD_RETRY_AFTER_S)
 
 
+def _worker_call(handle, routed: RoutedRequest, own_call_id: bool):
+    """The worker call of one attempt. `own_call_id`: under a Serve request id of its own. Serve
+    names a handle call after the request being served (`_internal_request_id`), and its router
+    keeps calls waiting for a replica in a table by that name: two calls of one HTTP request made
+    at once (several prompts) share it, and one of them is never answered (Ray 2.60,
+    request_router.py `_pending_requests_by_id`). Cancelling still reaches such a call: the
+    ingress cancels each itself (run_request), not through Serve's parent-request bookkeeping."""
+    if not own_call_id:
+        return handle.options(stream=True).generate.remote(routed)
+    parent = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(parent, _internal_request_id=generate_request_id()))
+    try:  # the id is read when the call is made
+        return handle.options(stream=True).generate.remote(routed)
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
 def _error_delta(routed: RoutedRequest, message: str) -> TokenDelta:
     return TokenDelta(routed.request_id, [], "", finish_reason="error", error=message,
                       num_prompt_tokens=routed.num_prompt_tokens, arrival_time=routed.arrival_time)
 
 
 async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
-                      on_retry: Callable[[], None] | None = None):
+                      on_retry: Callable[[], None] | None = None, own_call_id: bool = False):
     """Yield the request's TokenDeltas (the last one finished); see the module doc for failures.
-    `on_retry` is called each time the request is sent again, however it ends."""
+    `on_retry` is called each time the request is sent again, however it ends. `own_call_id`: for
+    a call made beside others of the same client request (_worker_call)."""
     last_error = None
     for attempt in range(MAX_ATTEMPTS):
         routed.attempt = attempt
@@ -59,7 +82,7 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
         finished = False
         response = None
         try:
-            response = handle.options(stream=True).generate.remote(routed)
+            response = _worker_call(handle, routed, own_call_id)
             async for delta in response:
                 produced = produced or bool(delta.token_ids)
                 finished = delta.finished
@@ -115,6 +138,7 @@ class Collected:
         self.sequences: dict[int, Collected] = {}  # by TokenDelta.index (n > 1: one per choice)
         self.first_token_time: float | None = None  # the worker's clock
         self.first_token_seen: float | None = None  # when it reached the ingress
+        self.token_gaps = TokenGaps() if self.per_sequence else None
 
     def add(self, delta: TokenDelta) -> None:
         self.text_parts.append(delta.text)
@@ -130,6 +154,8 @@ class Collected:
             if sequence is None:
                 sequence = self.sequences[delta.index] = Collected(per_sequence=False)
             sequence.add(delta)
+        if self.token_gaps is not None:
+            self.token_gaps.add(delta)
         if delta.first_token_time is not None and self.first_token_time is None:
             self.first_token_time = delta.first_token_time
         if delta.token_ids and self.first_token_seen is None:
@@ -141,10 +167,12 @@ class Collected:
         return "".join(self.text_parts)
 
 
-async def collect(handle, routed: RoutedRequest,
-                  on_retry: Callable[[], None] | None = None) -> Collected:
-    out = Collected()
-    async for item in run_request(handle, routed, restartable=True, on_retry=on_retry):
+async def collect(handle, routed: RoutedRequest, on_retry: Callable[[], None] | None = None,
+                  out: Collected | None = None, own_call_id: bool = False) -> Collected:
+    """The whole completion; `out` (when given) holds what has come so far if this is cancelled."""
+    out = out if out is not None else Collected()
+    async for item in run_request(handle, routed, restartable=True, on_retry=on_retry,
+                                  own_call_id=own_call_id):
         if item is RESTART:
             out.reset()
         else:

@@ -13,6 +13,8 @@ cancelling the Generate call always works).
 
 The rest (auth, limits, tokenizing, routing, failover, Abort, metrics) is the request pipeline
 HTTP uses too (pipeline.py); this module parses GenerateRequest into it and renders its deltas.
+What a request asks beyond sampling (structured outputs, tools, echo, prompt logprobs) is read and
+rendered by grpc_fields.py.
 
 Cancellation: a client cancel or deadline reaches Generate as CancelledError (serve_grpc_cancel.py
 makes sure of it); closing the stream then cancels the worker call, which aborts the request in
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 
 import grpc
 
 from kvmesh.cluster.auth import bearer_token, grpc_authorization
+from kvmesh.cluster.grpc_fields import (GrpcAsk, ResponseShape, chat_messages,
+                                        prompt_logprobs_asked, read_ask)
 from kvmesh.cluster.openai_protocol import ApiError, new_id
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt
 from kvmesh.cluster.status import cluster_health
@@ -55,18 +58,21 @@ def _grpc_error(e: ApiError, grpc_context) -> Exception:
     return RuntimeError(e.message)
 
 
-def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -> SamplingParams:
+def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
+    """`structured`: the request's constraint, built once before admission (grpc_fields.read_ask)."""
     kwargs = {"max_tokens": req.max_tokens if req.HasField("max_tokens") else default_max_tokens,
               "stop": list(req.stop), "ignore_eos": req.ignore_eos,
               "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids),
               "include_stop_str_in_output": req.include_stop_str_in_output,
-              "logit_bias": dict(req.logit_bias) or None}
+              "logit_bias": dict(req.logit_bias) or None,
+              "prompt_logprobs": prompt_logprobs_asked(req)}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "skip_special_tokens", "n", "best_of"):
         if req.HasField(name):
             kwargs[name] = getattr(req, name)
-    if req.HasField("structured_outputs"):
-        kwargs["structured_outputs"] = structured_from_proto(req.structured_outputs)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     if req.HasField("best_of") and req.best_of != kwargs.get("n", 1):
         raise ApiError(400, "best_of must equal n on Generate: it streams, and the best sequences "
                        "are known only when all have finished (use /v1/completions)", param="best_of")
@@ -76,42 +82,22 @@ def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16) -
         raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-def structured_from_proto(spec: pb.StructuredOutputs) -> StructuredOutputs:
-    """The request's constraint as kvmesh's plain data; ApiError(400) naming the field when it
-    is not exactly one well-formed constraint."""
-    param = "structured_outputs"
-    schema = None
-    if spec.HasField("json_schema"):
-        param = "structured_outputs.json_schema"
-        try:
-            schema = json.loads(spec.json_schema)
-        except ValueError as e:
-            raise ApiError(400, f"{param}: not JSON ({e})", param=param) from None
-        if not isinstance(schema, (dict, bool)):
-            raise ApiError(400, f"{param}: a JSON schema is an object", param=param)
-    try:
-        return StructuredOutputs(
-            json=schema, json_object=spec.json_object,
-            regex=spec.regex if spec.HasField("regex") else None,
-            choice=list(spec.choice) or None,
-            grammar=spec.grammar if spec.HasField("grammar") else None)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=param) from None
-
-
-def generation_request(request: pb.GenerateRequest, arrival: float,
-                       engine_id: str) -> GenerationRequest:
+def generation_request(request: pb.GenerateRequest, arrival: float, engine_id: str,
+                       ask: GrpcAsk | None = None, tokenizer=None) -> GenerationRequest:
     """The pipeline's request for a GenerateRequest: messages, else prompt, else prompt_token_ids;
-    max_tokens defaults to 16 (or the output budget, if smaller)."""
+    max_tokens defaults to 16 (or the output budget, if smaller). `ask`: what read_ask read of it
+    (its constraint, built once; its tools, rendered into the chat with `tokenizer`)."""
+    ask = ask or GrpcAsk()
     if request.messages:
-        prompt = Prompt("messages", messages=[{"role": m.role, "content": m.content}
-                                              for m in request.messages])
+        messages, template_tools = chat_messages(request, ask.tools, tokenizer)
+        prompt = Prompt("messages", messages=messages, tools=template_tools)
     elif request.prompt:
         prompt = Prompt("prompt", text=request.prompt)
     else:
         prompt = Prompt("prompt_token_ids", token_ids=list(request.prompt_token_ids))
+    structured = ask.structured.spec if ask.structured is not None else None
     return GenerationRequest(
-        prompt, lambda budget: sampling_from_proto(request, default_max_tokens=min(16, budget)),
+        prompt, lambda budget: sampling_from_proto(request, min(16, budget), structured),
         max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
         model=request.model, session_key=request.session_id or None, request_id=engine_id,
         arrival=arrival)
@@ -174,17 +160,20 @@ class GrpcService:
         abort = self._in_flight[key] = asyncio.Event()
         try:
             try:
-                if request.HasField("structured_outputs"):  # compiled once here, off the loop
-                    await self.frontend.check_grammar(structured_from_proto(request.structured_outputs),
-                                                      "structured_outputs")
-                admitted = await self.pipeline.admit(generation_request(request, arrival, engine_id))
+                ask = read_ask(request)
+                if ask.structured is not None:  # built once, compiled here (off the loop)
+                    await self.frontend.check_grammar(ask.structured.spec, ask.structured.param)
+                admitted = await self.pipeline.admit(generation_request(
+                    request, arrival, engine_id, ask, self.frontend.tokenizer))
                 stream = await self.pipeline.stream(admitted, abort)
             except ApiError as e:
                 raise self._grpc_refused(e, grpc_context) from None
+            shape = ResponseShape(request, ask, admitted.routed.prompt_token_ids,
+                                  self.frontend.tokenizer.decode)
             async with stream:  # a cancel or deadline arrives as CancelledError: closes it
                 try:
                     async for delta in stream:
-                        yield _response(delta, key[1], stream)
+                        yield shape.apply(_response(delta, key[1], stream), delta)
                 except ApiError as e:  # overloaded when re-run after its worker died
                     raise self._grpc_refused(e, grpc_context) from None
         finally:

@@ -24,7 +24,6 @@ from kvmesh.cluster import process_metrics
 from kvmesh.cluster.auth import ApiKeys
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.generation import Collected
 from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
@@ -37,7 +36,7 @@ from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
                                             parse_request, sampling_params, usage)
-from kvmesh.cluster.openai_choices import StreamChoices, whole_body
+from kvmesh.cluster.openai_choices import StreamChoices, chosen_sequences, whole_body
 from kvmesh.cluster.openai_echo import echo_for
 from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
 from kvmesh.cluster import tokenize_api
@@ -194,20 +193,27 @@ def _combined(bodies: list[dict]) -> dict:
     return body
 
 
-async def _sse_tools(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools):
-    """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream)."""
-    parser = tool_parser.ToolStream(tools)
+async def _sse_tools(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools,
+                     num_choices: int):
+    """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream),
+    one parser per choice (n > 1: each sequence's output is parsed on its own)."""
+    parsers: dict[int, tool_parser.ToolStream] = {}
     async with stream:
-        yield sse(shaper.role_chunk(include_usage))
+        for index in range(num_choices):
+            role = shaper.role_chunk(include_usage)
+            role["choices"][0]["index"] = index
+            yield sse(role)
         async for delta in stream:
+            parser = parsers.setdefault(delta.index, tool_parser.ToolStream(tools))
+            ended = delta.finish_reason is not None  # this sequence's end
             pieces = parser.feed(delta.text)
-            if delta.finished:
+            if ended:
                 pieces += parser.finish()
             for piece in pieces:
-                yield sse(shaper.choice_chunk(piece, None, include_usage))
-            if delta.finished:
+                yield sse(shaper.choice_chunk(piece, None, include_usage, delta.index))
+            if ended:
                 reason = tool_parser.finish_reason(delta.finish_reason, tools, parser.calls)
-                yield sse(shaper.choice_chunk({}, reason, include_usage))
+                yield sse(shaper.choice_chunk({}, reason, include_usage, delta.index))
         if include_usage:
             last = stream.last
             yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
@@ -360,9 +366,6 @@ class Ingress(GrpcService, HealthService):
             if tools is not None and tools.parses_output and req.stream and req.logprobs:
                 raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are "
                                "not token-aligned); ask without stream", param="logprobs")
-            if tools is not None and tools.parses_output and req.n > 1:
-                raise ApiError(400, "n must be 1 with tools (each answer is parsed for tool calls "
-                               "on its own)", param="n")
             if tools is not None and (forced := forced_structure(tools)) is not None:
                 if structured is not None:
                     raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "
@@ -385,16 +388,12 @@ class Ingress(GrpcService, HealthService):
             if req.stream:
                 options = req.stream_options or {}
                 include_usage = bool(options.get("include_usage"))
-                streams = []
-                try:
-                    for one in admitted:
-                        streams.append(await self.pipeline.stream(one))
-                except BaseException:
-                    for stream in streams:
-                        await stream.aclose()
-                    raise
-                if tools is not None:  # chat: one prompt, n = 1
-                    body = _sse_tools(streams[0], shaper, include_usage, tools)
+                if len(admitted) == 1:
+                    streams = [await self.pipeline.stream(admitted[0])]
+                else:  # started at once, as vLLM runs them
+                    streams = await self.pipeline.streams_of_several(admitted)
+                if tools is not None:  # chat: one prompt
+                    body = _sse_tools(streams[0], shaper, include_usage, tools, req.n)
                 else:
                     choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
                                for i, echo in enumerate(echoes)]
@@ -405,45 +404,25 @@ class Ingress(GrpcService, HealthService):
             if len(admitted) == 1:
                 results = [await self.pipeline.whole(admitted[0])]
             else:
-                results = await self._whole_of_several(admitted)
+                results = await self.pipeline.whole_of_several(admitted)
             body = _combined([
                 whole_body(shaper, result, one.routed.sampling_params, kind, echo,
                            result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
                            result.last.num_cached_tokens)
                 for one, result, echo in zip(admitted, results, echoes)])
-            if tools is not None and tools.parses_output:
-                result = results[0]
-                content, calls = tool_parser.parse_output(result.text, tools)
-                choice = body["choices"][0]
-                choice["message"]["content"] = content
-                if calls:
-                    choice["message"]["tool_calls"] = [c.body() for c in calls]
-                choice["finish_reason"] = tool_parser.finish_reason(result.last.finish_reason, tools,
-                                                                    calls)
+            if tools is not None and tools.parses_output:  # each choice parsed on its own
+                sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
+                for choice, sequence in zip(body["choices"], sequences):
+                    content, calls = tool_parser.parse_output(sequence.text, tools)
+                    choice["message"]["content"] = content
+                    if calls:
+                        choice["message"]["tool_calls"] = [c.body() for c in calls]
+                    choice["finish_reason"] = tool_parser.finish_reason(
+                        sequence.last.finish_reason if sequence.last is not None else None,
+                        tools, calls)
             return body
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
-
-    async def _whole_of_several(self, admitted) -> list[Collected]:
-        """Several prompts' whole completions. Their worker calls are started one after the other
-        (each stream's first delta awaited), as a stream does: calls of one HTTP request started
-        at once share Serve's request context and one of them was never answered."""
-        streams = []
-        try:
-            for one in admitted:
-                streams.append(await self.pipeline.stream(one))
-            results = [Collected() for _ in streams]
-            async with contextlib.aclosing(_merged(streams)) as merged:
-                async for i, delta in merged:
-                    results[i].add(delta)
-            for result in results:
-                if result.last.finish_reason == "error":
-                    raise ApiError(503, result.last.error or "the request failed",
-                                   type="server_error", code="worker_failed", retry_after_s=1)
-            return results
-        finally:
-            for stream in streams:
-                await stream.aclose()
 
     async def _parse(self, request: Request, kind: str):
         return parse_request(await self._json(request),

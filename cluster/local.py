@@ -26,6 +26,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def with_this_source(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the source tree this kvmesh was imported from first on PYTHONPATH, when it is
+    one (a checkout, not an installed wheel). Ray's worker processes import kvmesh for the worker
+    setup hook before they put the driver's folder on sys.path, so without this a checkout other
+    than the editable install's (a git worktree) would serve the editable install's code."""
+    import kvmesh
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvmesh.__file__)))
+    if not os.path.isfile(os.path.join(root, "pyproject.toml")):
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)}
+
+
 def loopback_ray_env() -> dict[str, str]:
     """Environment that keeps every Ray listener on 127.0.0.1 (and, in tests, auth off)."""
     env = dict(os.environ)
@@ -84,7 +97,7 @@ class LocalCluster:
         self.log_path = log.name
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", *self.args], stdout=log,
-            stderr=subprocess.STDOUT, env=self.ray_env, start_new_session=True)
+            stderr=subprocess.STDOUT, env=with_this_source(self.ray_env), start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             text = self.log()

@@ -100,9 +100,18 @@ class IngressMetrics:
         self.vllm.init_model(model)
         self.workers.model_name = model
 
-    def observe_abort(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
+    def observe_abort(self, model: str, prompt_tokens: int, output_tokens: int,
+                      token_gaps: list[float] = ()) -> None:
+        """A request that ended before it finished (streamed or not); the gaps between the tokens
+        it had made are observed too, as vLLM observes each when it happens."""
         self.aborted.labels(model=model).inc()
         self.vllm.success.labels(model_name=model, finished_reason="abort").inc()
+        self.observe_token_gaps(model, token_gaps)
+
+    def observe_token_gaps(self, model: str, token_gaps: list[float]) -> None:
+        itl = self.vllm.itl.labels(model_name=model)
+        for gap in token_gaps:
+            itl.observe(gap)
 
     def observe_status(self, model: str, status: int) -> None:
         self.requests.labels(model=model, status=str(status)).inc()
@@ -120,9 +129,10 @@ class IngressMetrics:
 
     def observe_engine_times(self, model: str, last, first_token: float | None, end: float,
                              output_tokens: int, prompt_tokens: int, cached_tokens: int,
-                             arrival: float) -> None:
+                             arrival: float, token_gaps: list[float] = ()) -> None:
         """vLLM's request metrics of a finished request; `last` is its last TokenDelta (with the
-        worker's arrival, scheduling and first-token times, on the worker's clock)."""
+        worker's arrival, scheduling and first-token times, on the worker's clock); `token_gaps`
+        the time between each of its tokens and the one before (TokenGaps), each observed."""
         v, labels = self.vllm, {"model_name": model}
         reason = last.finish_reason if last.finish_reason in FINISHED_REASONS else "stop"
         v.success.labels(finished_reason=reason, **labels).inc()
@@ -133,13 +143,9 @@ class IngressMetrics:
         v.prefix_queries.labels(**labels).inc(prompt_tokens)
         v.prefix_hits.labels(**labels).inc(cached_tokens)
         v.e2e.labels(**labels).observe(max(0.0, end - arrival))
+        self.observe_token_gaps(model, token_gaps)
         if first_token is not None:
             v.ttft.labels(**labels).observe(max(0.0, first_token - arrival))
-            if output_tokens > 1:  # the request's mean gap, once per gap
-                gap = max(0.0, end - first_token) / (output_tokens - 1)
-                itl = v.itl.labels(**labels)
-                for _ in range(min(output_tokens - 1, MAX_ITL_OBSERVATIONS)):
-                    itl.observe(gap)
             v.decode_time.labels(**labels).observe(max(0.0, end - first_token))
         if last.scheduled_time is not None and last.arrival_time:
             v.queue_time.labels(**labels).observe(max(0.0, last.scheduled_time - last.arrival_time))
@@ -154,7 +160,23 @@ class IngressMetrics:
         return generate_latest(self.registry)
 
 
-MAX_ITL_OBSERVATIONS = 4096  # per request: bounds the work of one very long output
+MAX_ITL_OBSERVATIONS = 4096  # per request: bounds the work (and memory) of one very long output
+
+
+class TokenGaps:
+    """The gaps between a request's consecutive tokens, per sequence (n > 1), from the times the
+    worker sampled them (TokenDelta.token_times): vLLM's inter-token latencies, one per gap."""
+
+    def __init__(self):
+        self.gaps: list[float] = []
+        self._last: dict[int, float] = {}  # sequence index -> when its last token was sampled
+
+    def add(self, delta) -> None:
+        for sampled_at in delta.token_times or ():
+            last = self._last.get(delta.index)
+            if last is not None and len(self.gaps) < MAX_ITL_OBSERVATIONS:
+                self.gaps.append(max(0.0, sampled_at - last))
+            self._last[delta.index] = sampled_at
 
 
 class _VllmRequestMetrics:
@@ -170,7 +192,7 @@ class _VllmRequestMetrics:
         self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m, buckets=VLLM_TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens per request.", m, buckets=VLLM_TOKEN_BUCKETS, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.", m, buckets=VLLM_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens (a request's mean gap, once per gap).", m, buckets=VLLM_ITL_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens of a request (each gap, from the worker's sampling times).", m, buckets=VLLM_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", m, buckets=VLLM_REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited in a worker's scheduler before it was first scheduled.", m, buckets=VLLM_REQUEST_BUCKETS, registry=r)
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Time from first scheduled to the first token.", m, buckets=VLLM_REQUEST_BUCKETS, registry=r)

@@ -109,9 +109,10 @@ class Shaper:
         choice["stop_reason"] = stop_reason
         return self._chunk([choice], usage_so_far, include_usage)
 
-    def choice_chunk(self, delta: dict, reason: str | None, include_usage: bool) -> dict:
-        """A chat chunk with this delta (content and/or tool_calls), no logprobs."""
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None,
+    def choice_chunk(self, delta: dict, reason: str | None, include_usage: bool,
+                     index: int = 0) -> dict:
+        """A chat chunk with this delta (content and/or tool_calls) of choice `index`, no logprobs."""
+        return self._chunk([{"index": index, "delta": delta, "logprobs": None,
                              "finish_reason": finish_reason(reason)}], None, include_usage)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

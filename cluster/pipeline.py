@@ -31,6 +31,7 @@ from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.generation import Collected, collect, overloaded, run_request
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.messages import RoutedRequest
+from kvmesh.cluster.metrics import TokenGaps
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
@@ -127,10 +128,12 @@ class RequestPipeline:
 
     # ---- on the workers ------------------------------------------------------------------------
 
-    async def stream(self, admitted: Admitted, abort: asyncio.Event | None = None) -> "DeltaStream":
+    async def stream(self, admitted: Admitted, abort: asyncio.Event | None = None,
+                     beside_others: bool = False) -> "DeltaStream":
         """The request's deltas, its first one already received (a refusal before any token is
-        raised here, as ApiError). Use it as `async with stream: async for delta in stream`."""
-        stream = DeltaStream(self.frontend, admitted, abort)
+        raised here, as ApiError). Use it as `async with stream: async for delta in stream`.
+        `beside_others`: one of several prompts of a client request, started at once."""
+        stream = DeltaStream(self.frontend, admitted, abort, beside_others)
         try:
             await stream.start()
         except BaseException:
@@ -138,11 +141,33 @@ class RequestPipeline:
             raise
         return stream
 
-    async def whole(self, admitted: Admitted) -> Collected:
+    async def streams_of_several(self, admitted: list[Admitted]) -> list["DeltaStream"]:
+        """Several prompts' streams (a list of prompts in one streamed completions request),
+        started at once, in prompt order. If one is refused, the others are closed (aborted) and
+        its error raised, as one prompt's would be."""
+        tasks = [asyncio.ensure_future(self.stream(request, beside_others=True))
+                 for request in admitted]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for started in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(started, DeltaStream):
+                    await started.aclose()
+            raise
+
+    async def whole(self, admitted: Admitted, beside_others: bool = False) -> Collected:
         """The whole completion (non-streaming: retried from the start on another worker when its
         worker dies, since the client has seen nothing yet)."""
         routed = admitted.routed
-        result = await collect(self.frontend.workers, routed, self.frontend.count_retry)
+        result = Collected()
+        try:
+            await collect(self.frontend.workers, routed, self.frontend.count_retry, out=result,
+                          own_call_id=beside_others)
+        except asyncio.CancelledError:  # the client went away (or its deadline passed): aborted
+            self.frontend.account_abort(routed, len(result.token_ids), result.token_gaps.gaps)
+            raise
         last = result.last
         if last is None:
             raise ApiError(503, "no result")
@@ -151,8 +176,23 @@ class RequestPipeline:
         if last.finish_reason == "error":
             raise ApiError(503, last.error or "the request failed", type="server_error",
                            code="worker_failed", retry_after_s=1)
-        self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200)
+        self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200,
+                              result.token_gaps.gaps)
         return result
+
+    async def whole_of_several(self, admitted: list[Admitted]) -> list[Collected]:
+        """Several prompts' whole completions (a list of prompts in one completions request), run
+        at once as vLLM runs them, in prompt order. Each is a `whole` request of its own: a worker
+        that dies is survived by running that prompt again elsewhere; a prompt that fails fails
+        the request (503, as one prompt would), and the others are then cancelled (aborted)."""
+        tasks = [asyncio.ensure_future(self.whole(request, beside_others=True))
+                 for request in admitted]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed (or the client went): stop the others
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -171,14 +211,17 @@ class DeltaStream:
     engine. With an `abort` event, setting it stops the worker call and ends the stream with an
     "abort" delta (not counted: no answer was completed)."""
 
-    def __init__(self, frontend: Frontend, admitted: Admitted, abort: asyncio.Event | None):
+    def __init__(self, frontend: Frontend, admitted: Admitted, abort: asyncio.Event | None,
+                 beside_others: bool = False):
         self.frontend = frontend
         self.routed = admitted.routed
         self.prompt_param = admitted.prompt_param
         self.num_tokens = 0
         self.last: TokenDelta | None = None
         self._first_token_time: float | None = None
-        self._deltas = run_request(frontend.workers, self.routed, on_retry=frontend.count_retry)
+        self._token_gaps = TokenGaps()
+        self._deltas = run_request(frontend.workers, self.routed, on_retry=frontend.count_retry,
+                                   own_call_id=beside_others)
         self._aborted = asyncio.ensure_future(abort.wait()) if abort is not None else None
         self._step: asyncio.Future | None = None
         self._first: TokenDelta | None = None
@@ -207,6 +250,7 @@ class DeltaStream:
     async def _next(self) -> TokenDelta:
         delta = await self._read()
         self.num_tokens += len(delta.token_ids)
+        self._token_gaps.add(delta)
         if delta.token_ids and self._first_token_time is None:
             self._first_token_time = time.time()
         return delta
@@ -226,12 +270,12 @@ class DeltaStream:
         if not self._counted and self.last.finish_reason != "abort":
             self._counted = True
             self.frontend.account(self.routed, self._first_token_time, self.last,
-                                  self.num_tokens, 200)
+                                  self.num_tokens, 200, self._token_gaps.gaps)
 
     async def aclose(self) -> None:
         if not self._counted and self._started:  # ended before it finished: aborted
             self._counted = True
-            self.frontend.account_abort(self.routed, self.num_tokens)
+            self.frontend.account_abort(self.routed, self.num_tokens, self._token_gaps.gaps)
         if self._aborted is not None:
             self._aborted.cancel()
         await _stop(self._step)

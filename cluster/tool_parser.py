@@ -11,8 +11,9 @@ is the JSON array the grammar enforced, and with a named function it is that fun
 Streaming follows vLLM's deltas: a call's first delta has its index, id, type and name (arguments
 ""), the next ones add to `function.arguments`. A named function's arguments stream as they are
 generated, and so do `required` calls (a call's header once its name is complete, then its
-parameters' text); `auto` calls are sent when the output ends (one delta per call after its
-header), while content before a `<tool_call>` streams as it comes.
+parameters' text) and `auto` calls, Hermes or Llama 3 (tool_call_scan.py: the header once the
+name is complete, then the arguments' text as it comes; content before a `<tool_call>` streams as
+it comes, the markup never).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from kvmesh.cluster.tool_call_scan import OPEN, PYTHON_TAG, AutoCalls
 from kvmesh.cluster.tool_calls import ToolRequest
 
-OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -130,9 +131,8 @@ class ToolStream:
         self.request = request
         self.calls: list[ToolCall] = []
         self._text = ""  # the whole output so far
-        self._sent = 0  # characters of it sent as content (auto)
-        self._held = False  # auto: a tool call (or a JSON one) may have begun; hold the rest
         self._streamed: list[dict] = []  # required: per call, its id and the arguments sent
+        self._auto = AutoCalls(lambda name: ToolCall(name, "")) if request.choice == "auto" else None
 
     def feed(self, piece: str) -> list[dict]:
         self._text += piece
@@ -150,52 +150,29 @@ class ToolStream:
             return self._required_deltas()
         if choice == "none":
             return [{"content": piece}] if piece else []
-        return self._auto_content()
-
-    def _auto_content(self) -> list[dict]:
-        if self._held:
-            return []
-        text = self._text
-        head = text.lstrip()
-        if head and (head[0] == "{" or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)])) and self._sent == 0:
-            if head[0] == "{" or head.startswith(PYTHON_TAG):
-                self._held = True
-            return []  # maybe a JSON call: decided at the end
-        end = text.find(OPEN, self._sent)
-        if end >= 0:
-            self._held = True
-        else:  # keep back a tail that may be the start of "<tool_call>"
-            end = len(text)
-            for k in range(min(len(OPEN) - 1, len(text) - self._sent), 0, -1):
-                if OPEN.startswith(text[-k:]):
-                    end = len(text) - k
-                    break
-        piece, self._sent = text[self._sent:end], max(self._sent, end)
-        return [{"content": piece}] if piece else []
+        out = self._auto.feed(piece)
+        self.calls = self._auto.calls
+        return out
 
     def finish(self) -> list[dict]:
         choice = self.request.choice
         if choice in ("function", "none"):
             return []
-        if choice == "required":
-            content, calls = parse_output(self._text, self.request)
-            if self._streamed:  # sent as generated: only what is still missing
-                out = self._required_deltas()
-                for call, sent in zip(calls, self._streamed):
-                    call.id = sent["id"]
-                self.calls = calls  # none when the output was cut short (finish_reason length)
-                return out
-        else:
-            content, calls = parse_auto(self._text)
+        if choice == "auto":
+            out = self._auto.finish()
+            self.calls = self._auto.calls
+            return out
+        content, calls = parse_output(self._text, self.request)
+        if self._streamed:  # sent as generated: only what is still missing
+            out = self._required_deltas()
+            for call, sent in zip(calls, self._streamed):
+                call.id = sent["id"]
+            self.calls = calls  # none when the output was cut short (finish_reason length)
+            return out
         if not calls:
-            rest = self._text[self._sent:]
-            return [{"content": rest}] if rest else []
+            return [{"content": self._text}] if self._text else []
         self.calls = calls
         out = []
-        if choice == "auto" and OPEN in self._text:  # content before the first call, not yet sent
-            rest = self._text[self._sent:self._text.index(OPEN)]
-            if rest.strip():
-                out.append({"content": rest})
         for i, call in enumerate(calls):
             out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                         "function": {"name": call.name, "arguments": ""}}]})

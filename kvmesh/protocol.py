@@ -155,6 +155,9 @@ class TokenDelta:
     # vLLM's: with finish_reason "stop", the stop string or stop token id that ended it (None: EOS)
     stop_reason: str | int | None = None
     scheduled_time: float | None = None  # when the engine first scheduled it (the worker's clock)
+    # When each of token_ids was sampled (the worker's clock): the inter-token gaps vLLM's
+    # inter_token_latency_seconds observes, kept apart when a slow reader gets deltas merged
+    token_times: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -178,7 +181,8 @@ class TokenDelta:
             self.arrival_time or later.arrival_time, later.retryable,
             self.prompt_logprobs or later.prompt_logprobs, self.index, later.more_sequences,
             later.stop_reason,
-            self.scheduled_time if self.scheduled_time is not None else later.scheduled_time)
+            self.scheduled_time if self.scheduled_time is not None else later.scheduled_time,
+            _joined(self.token_times, later.token_times))
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

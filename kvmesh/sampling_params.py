@@ -123,9 +123,6 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 fail("structured_outputs", "a kvmesh.StructuredOutputs", self.structured_outputs)
             self.structured_outputs.validate()
-            if self.num_sequences > 1:  # each sequence would need its own grammar state
-                fail("n" if self.best_of is None else "best_of", "1 with structured_outputs",
-                     self.num_sequences)
 
     @property
     def num_sequences(self) -> int:

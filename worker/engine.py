@@ -191,7 +191,11 @@ class Engine:
                 delta.error = f"invalid_request: {future.exception()}"
                 deltas.append(delta)
                 continue
-            req.grammar = self.grammar_compiler.matcher(future.result())
+            # n > 1: each sequence its own matcher. The sequences fork off the request before any
+            # token is sampled (worker/parallel_sampling.py), so a fresh matcher is the clone of
+            # the request's at the fork point.
+            for member in req.group or [req]:
+                member.grammar = self.grammar_compiler.matcher(future.result())
             self.scheduler.add(req)
         return deltas
 
@@ -281,7 +285,7 @@ class Engine:
                 finish = self._check_finish(req, token)
                 if finish is not None:
                     self._finish(req, finish)
-                deltas.append(self._delta(req, [token], logprob, top))
+                deltas.append(self._delta(req, [token], logprob, top, sampled_at=now))
         for entry in output.scheduled:
             if not entry.samples:
                 self.scheduler.cache_computed_blocks(entry.request)
@@ -335,7 +339,8 @@ class Engine:
             delta.error = f"the request needs more than the {self.block_manager.num_blocks} KV blocks of the pool"
         return [delta]
 
-    def _delta(self, req: Request, token_ids: list[int], logprob, top=None) -> TokenDelta:
+    def _delta(self, req: Request, token_ids: list[int], logprob, top=None,
+               sampled_at: float | None = None) -> TokenDelta:
         text = req.detokenizer.take_delta(final=req.is_finished) if req.detokenizer is not None else ""
         prompt_logprobs = None
         if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
@@ -349,7 +354,8 @@ class Engine:
             first_token_time=req.first_token_time, arrival_time=req.arrival_time,
             prompt_logprobs=prompt_logprobs, index=req.index,
             more_sequences=req.group is not None and any(not m.is_finished for m in req.group),
-            stop_reason=req.stop_reason, scheduled_time=req.scheduled_time)
+            stop_reason=req.stop_reason, scheduled_time=req.scheduled_time,
+            token_times=[sampled_at] * len(token_ids) if sampled_at is not None else None)
 
     # ---- state for the router ----------------------------------------------------------------
 

@@ -155,15 +155,47 @@ def load_tokenizer_for(source: ModelSource):
         raise ValueError(f"model: cannot load the tokenizer of {source.path}: {e}") from e
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(path: Path) -> dict[Path, set[str] | None]:
+    """The weight files of a directory, each with the names to read from it (None: all of them).
+
+    A sharded checkpoint (`model.safetensors.index.json`, as `save_pretrained(max_shard_size=...)`
+    writes) is read through its index's `weight_map`, so a stray file beside the shards (a
+    consolidated copy, an older save) is never loaded twice; otherwise every *.safetensors file."""
+    index_file = path / SHARD_INDEX
+    if not index_file.is_file():
+        return {file: None for file in sorted(path.glob("*.safetensors"))}
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model: cannot read {index_file} (a JSON object with a 'weight_map' "
+                         f"of weight name -> shard file): {e}") from e
+    files: dict[Path, set[str]] = {}
+    for name, shard in weight_map.items():
+        files.setdefault(path / shard, set()).add(name)
+    missing = sorted(f.name for f in files if not f.is_file())
+    if missing:
+        raise ValueError(f"model: {len(missing)} shard(s) listed in {index_file} are missing from "
+                         f"{path}: {', '.join(missing[:3])}; download the whole checkpoint")
+    return dict(sorted(files.items()))
+
+
 def iter_safetensors(path: Path):
-    """(name, tensor) of every weight in a directory's safetensors files."""
+    """(name, tensor) of every weight in a directory's safetensors files (sharded or not)."""
     from safetensors import safe_open
 
-    files = sorted(path.glob("*.safetensors"))
-    for file in files:
+    for file, names in safetensors_files(path).items():
         try:
             with safe_open(str(file), framework="pt") as f:
+                keys = set(f.keys())
+                if names is not None and not names <= keys:
+                    absent = sorted(names - keys)
+                    raise ValueError(f"{len(absent)} weight(s) that {SHARD_INDEX} places in it are "
+                                     f"not there, e.g. {absent[:3]}")
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if names is None or name in names:
+                        yield name, f.get_tensor(name)
         except Exception as e:
             raise ValueError(f"model: cannot read weights {file}: {e}") from e

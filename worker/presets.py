@@ -31,6 +31,28 @@ PRESETS = {
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=64),
         tie_word_embeddings=True),
+    # Qwen3-MoE: q/k norm, 8 experts of which each token takes 2, renormalised; layer 1 dense
+    # (mlp_only_layers), as the family's configs allow.
+    "tiny-qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=512, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=2048, tie_word_embeddings=False),
+    "tiny-mixtral": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=512, hidden_size=64,
+        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False),
+    # A benchmark MoE shape that fits one GPU: Qwen3-30B-A3B's width (128 experts, 8 per token, expert
+    # width 768, hidden 2048, 32 q / 4 kv heads) with 8 of its 48 layers: 5.6B parameters (0.45B
+    # of them per token in the layers), 11 GiB in bf16.
+    "qwen3-moe-a3b-small": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False),
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

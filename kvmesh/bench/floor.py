@@ -60,23 +60,49 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     dtype_bytes: int = 2
+    # mixture of experts: in `num_sparse_layers` of the layers the MLP is `num_experts` experts of
+    # width `expert_intermediate_size`, of which each token runs `experts_per_token`
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
     kv_dtype_bytes: int | None = None  # the KV cache's element size (1 for FP8); None: dtype_bytes
 
     @property
+    def attention_params(self) -> int:
+        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o, k, v
+
+    @property
     def layer_params(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o, k, v
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return attn + mlp
+        """A dense layer's weights."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate_size
 
     @property
     def matmul_params(self) -> int:
-        """Weights each token multiplies through (no embedding lookup, no norms, no lm_head)."""
-        return self.num_layers * self.layer_params
+        """Weights each token multiplies through (no embedding lookup, no norms, no lm_head); in a
+        sparse layer the router and the token's experts only."""
+        sparse = self.attention_params + self.hidden_size * self.num_experts + self.experts_per_token * self.expert_params
+        return (self.num_layers - self.num_sparse_layers) * self.layer_params + self.num_sparse_layers * sparse
 
     @property
     def weight_bytes(self) -> int:
         """Weights a step must read: the layers and the lm_head (the embedding too when tied: same matrix)."""
-        return (self.matmul_params + self.vocab_size * self.hidden_size) * self.dtype_bytes
+        return self.weight_bytes_for(1 << 62)
+
+    def weight_bytes_for(self, num_tokens: int) -> int:
+        """Weights a step of `num_tokens` tokens must read: a sparse layer's experts only those its
+        tokens are routed to, counted as the expected number of distinct experts under uniform routing,
+        E * (1 - (1 - k/E)^n) (random weights route about uniformly; trained ones less so)."""
+        params = (self.num_layers - self.num_sparse_layers) * self.layer_params + self.vocab_size * self.hidden_size
+        if self.num_sparse_layers:
+            touched = self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** num_tokens)
+            params += self.num_sparse_layers * (self.attention_params + self.hidden_size * self.num_experts
+                                                + round(touched * self.expert_params))
+        return params * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -101,7 +127,7 @@ class FloorCounter:
         s = self.shape
         new_tokens = sum(query_lens)
         cached_tokens = sum(c - q for q, c in zip(query_lens, seq_lens))
-        step_bytes = s.weight_bytes + (cached_tokens + new_tokens) * s.kv_bytes_per_token
+        step_bytes = s.weight_bytes_for(new_tokens) + (cached_tokens + new_tokens) * s.kv_bytes_per_token
         # attention: QK^T and PV, 2 FLOPs per multiply-add each; new token i of a chunk sees c - q + i + 1 keys
         attn_pairs = sum(q * (c - q) + q * (q + 1) // 2 for q, c in zip(query_lens, seq_lens))
         step_flops = (2 * s.matmul_params * new_tokens + 2 * s.vocab_size * s.hidden_size * num_sampled

@@ -1,5 +1,7 @@
 """`kvmesh bench offline`: engine throughput on nano-vllm's workload, against the hardware floor
-measured in the same run, and optionally against peers run in the same run.
+measured in the same run, and optionally against peers run in the same run. `--workload
+shared-prefix` runs a prefill-heavy one instead (long shared system prompts, short outputs) and
+reports the FLOP rate the prefill reached.
 
 Default: the Qwen3-0.6B shape with random bf16 weights (`random:qwen3-0.6b`), 256 prompts. On the
 CPU use a tiny preset and short lengths (the CI smoke test does).
@@ -22,8 +24,16 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
     p.add_argument("--num-prompts", type=int, default=256, help="prompts (default 256, nano-vllm's)")
     p.add_argument("--max-input-len", type=int, default=1024, help="prompt length drawn in [min-len, this]")
-    p.add_argument("--max-output-len", type=int, default=1024, help="max_tokens drawn in [min-len, this]")
+    p.add_argument("--max-output-len", type=int, default=None,
+                   help="max_tokens drawn in [min-len, this] (default 1024); with --workload shared-prefix "
+                        "in [16, this] (default 64)")
     p.add_argument("--min-len", type=int, default=100, help="lower bound of both draws (default 100)")
+    p.add_argument("--workload", choices=["nano-vllm", "shared-prefix"], default="nano-vllm",
+                   help="nano-vllm (default): its benchmark exactly; shared-prefix: prefill-heavy, each "
+                        "prompt one of --num-prefixes system prompts of --prefix-len tokens plus a suffix "
+                        "of [min-len, max-input-len] tokens")
+    p.add_argument("--prefix-len", type=int, default=4096, help="shared-prefix: system prompt tokens (default 4096)")
+    p.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct system prompts (default 8)")
     p.add_argument("--attention-backend", default="auto",
                    choices=ATTENTION_BACKENDS)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -36,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default 16; 256 for flash_attn)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default 4096, or what the longest request needs when that is more")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the layers' work outside attention (compiled before the timed run)")
@@ -55,9 +66,10 @@ def add_arguments(p) -> None:
 
 def engine_args(args) -> dict:
     block_size = args.block_size or (256 if args.attention_backend == "flash_attn" else 16)
+    max_model_len = getattr(args, "max_model_len", None) or 4096
     return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                max_model_len=max_model_len, enforce_eager=args.enforce_eager,
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 torch_compile=getattr(args, "torch_compile", False),
                 async_scheduling=getattr(args, "async_scheduling", None))
@@ -70,15 +82,11 @@ def run(args) -> int:
     from kvmesh.bench.engine_probe import StepProbe
     from kvmesh.bench.floor import FloorCounter, ModelShape, measure_ceilings
     from kvmesh.bench.peers import run_peer
-    from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, nano_vllm_workload
 
-    if args.num_prompts < 1 or args.min_len < 1 or args.max_input_len < args.min_len or args.max_output_len < args.min_len:
-        raise ValueError("need --num-prompts >= 1 and 1 <= --min-len <= --max-input-len, --max-output-len")
-    workload = nano_vllm_workload(args.num_prompts, args.max_input_len, args.max_output_len, args.min_len)
-    is_reference = (args.num_prompts, args.max_input_len, args.max_output_len, args.min_len) == (256, 1024, 1024, 100)
-    if is_reference and workload.num_output_tokens != NANO_VLLM_OUTPUT_TOKENS:
-        raise RuntimeError(f"workload drifted: {workload.num_output_tokens} output tokens, "
-                           f"nano-vllm's has {NANO_VLLM_OUTPUT_TOKENS}")
+    workload, is_reference = _workload(args)
+    if args.max_model_len is None:  # room for the longest request, in steps of 1,024
+        longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens))
+        args.max_model_len = max(4096, -(-longest // 1024) * 1024)
 
     # Peers first, each in its own process, so each engine finds the GPU's memory free.
     peers = {name: run_peer(name, workload, args) for name in args.peer}
@@ -111,15 +119,19 @@ def run(args) -> int:
     if structured is None and output_tokens != workload.num_output_tokens:
         raise RuntimeError(f"engine produced {output_tokens} tokens, the workload asks {workload.num_output_tokens}")
     cfg = engine.model_config
+    moe = dict(num_experts=cfg.moe.num_experts, experts_per_token=cfg.moe.num_experts_per_tok,
+               expert_intermediate_size=cfg.moe.expert_intermediate_size,
+               num_sparse_layers=len(cfg.moe.sparse_layers)) if cfg.moe is not None else {}
     shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
                        torch.tensor([], dtype=engine.dtype).element_size(),
-                       kv_dtype_bytes=torch.tensor([], dtype=engine.kv_cache_dtype).element_size())
+                       kv_dtype_bytes=torch.tensor([], dtype=engine.kv_cache_dtype).element_size(), **moe)
     floor = FloorCounter(shape, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
     for query_lens, seq_lens, num_sampled in probe.steps:
         floor.add_step(query_lens, seq_lens, num_sampled)
+    cached_tokens = sum(o.num_cached_tokens for o in outputs)
     result = {
-        "model": args.model, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
+        "model": args.model, "workload": args.workload, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
         "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_blocks": engine.num_kv_blocks,
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
@@ -130,6 +142,9 @@ def run(args) -> int:
         "output_tokens": output_tokens, "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds,
         "total_tok_per_s": (output_tokens + workload.num_prompt_tokens) / seconds,
+        "cached_prompt_tokens": cached_tokens,
+        # the FLOPs the run computed (cached prompt tokens excluded) over its time
+        "achieved_flop_per_s": floor.flops / seconds,
         "steps": len(probe.steps), "floor_seconds": floor.seconds, "floor_ratio": floor.seconds / seconds,
         "floor_bytes": floor.bytes, "floor_flops": floor.flops, **ceilings,
         "host_seconds_outside_execute": probe.step_seconds - probe.execute_seconds,
@@ -152,6 +167,29 @@ def run(args) -> int:
     return 0
 
 
+def _workload(args):
+    """(Workload, whether it is nano-vllm's own) from the command's flags; a ValueError naming the flag."""
+    from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, nano_vllm_workload, shared_prefix_workload
+
+    if args.num_prompts < 1 or args.min_len < 1 or args.max_input_len < args.min_len:
+        raise ValueError("need --num-prompts >= 1 and 1 <= --min-len <= --max-input-len")
+    if args.workload == "shared-prefix":
+        max_output = 64 if args.max_output_len is None else args.max_output_len
+        if max_output < 1 or args.prefix_len < 1 or args.num_prefixes < 1:
+            raise ValueError("need --max-output-len, --prefix-len and --num-prefixes >= 1")
+        return shared_prefix_workload(args.num_prompts, args.prefix_len, args.num_prefixes, args.min_len,
+                                      args.max_input_len, max_output), False
+    max_output = 1024 if args.max_output_len is None else args.max_output_len
+    if max_output < args.min_len:
+        raise ValueError("need --min-len <= --max-output-len")
+    workload = nano_vllm_workload(args.num_prompts, args.max_input_len, max_output, args.min_len)
+    is_reference = (args.num_prompts, args.max_input_len, max_output, args.min_len) == (256, 1024, 1024, 100)
+    if is_reference and workload.num_output_tokens != NANO_VLLM_OUTPUT_TOKENS:
+        raise RuntimeError(f"workload drifted: {workload.num_output_tokens} output tokens, "
+                           f"nano-vllm's has {NANO_VLLM_OUTPUT_TOKENS}")
+    return workload, is_reference
+
+
 def print_table(r: dict) -> None:
     print(f"kvmesh bench offline: {r['model']} on {r['device']}, backend {r['attention_backend']}, "
           f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}"
@@ -159,7 +197,10 @@ def print_table(r: dict) -> None:
           + (", structured outputs: json schema on every request"
              if r.get("structured_outputs") == "json" else ""))
     print(f"  {r['num_prompts']} prompts, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens, "
-          f"{r['steps']} steps" + (" (nano-vllm's workload)" if r["nano_vllm_workload"] else ""))
+          f"{r['steps']} steps" + (" (nano-vllm's workload)" if r["nano_vllm_workload"] else "")
+          + (f", {r['workload']} workload" if r.get("workload", "nano-vllm") != "nano-vllm" else ""))
+    print(f"  prompt tokens from the prefix cache {r['cached_prompt_tokens']}; computed at "
+          f"{r['achieved_flop_per_s'] / 1e12:.1f} TFLOP/s")
     print(f"  ceilings: copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
     rows = [("kvmesh", r["seconds"], r["output_tok_per_s"], r["total_tok_per_s"], r["floor_ratio"], None)]
     for name, p in r["peers"].items():

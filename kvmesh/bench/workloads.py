@@ -4,6 +4,10 @@ nano-vllm's benchmark (bench.py), reproduced exactly: Python's `random.seed(0)`;
 of randint(100, 1024) tokens drawn as randint(0, 10000); then for each a max_tokens of
 randint(100, 1024); temperature 0.6, ignore_eos. Its output totals 133,966 tokens, which checks that
 the workload is the same one.
+
+A prefill-heavy workload beside it (`shared_prefix_workload`): a few long shared system prompts,
+each request one of them plus its own suffix, short outputs: what the prefix cache and the prefill
+kernels carry.
 """
 
 import random
@@ -41,4 +45,18 @@ def nano_vllm_workload(num_prompts: int = 256, max_input_len: int = 1024, max_ou
     prompts = [[rng.randint(0, vocab_limit) for _ in range(rng.randint(min_len, max_input_len))]
                for _ in range(num_prompts)]
     max_tokens = [rng.randint(min_len, max_output_len) for _ in range(num_prompts)]
+    return Workload(prompts, max_tokens)
+
+
+def shared_prefix_workload(num_prompts: int = 256, prefix_len: int = 4096, num_prefixes: int = 8,
+                           min_suffix: int = 100, max_suffix: int = 1024, max_output: int = 64,
+                           vocab_limit: int = 10000, seed: int = 0) -> Workload:
+    """Request i: system prompt i % num_prefixes (prefix_len tokens) + a suffix of randint(min_suffix,
+    max_suffix) tokens; max_tokens randint(min(16, max_output), max_output); ids in [0, vocab_limit]."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randint(0, vocab_limit) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts = [prefixes[i % num_prefixes] + [rng.randint(0, vocab_limit)
+                                             for _ in range(rng.randint(min_suffix, max_suffix))]
+               for i in range(num_prompts)]
+    max_tokens = [rng.randint(min(16, max_output), max_output) for _ in range(num_prompts)]
     return Workload(prompts, max_tokens)

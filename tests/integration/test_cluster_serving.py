@@ -507,6 +507,41 @@ def test_a_client_that_leaves_a_stream_of_several_prompts_aborts_them_all(cluste
     assert 0 < generated < 1500, generated
 
 
+def test_several_prompts_answer_together_in_prompt_order(openai_client):
+    """Run at once on the workers (their worker calls each under a Serve request id of their own:
+    sharing the HTTP request's, one of them was never answered), answered in prompt order."""
+    prompts = ["The sea is", "Mountains are", "A small bird", "Once upon a time", "Rivers"]
+    alone = [openai_client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+             for p in prompts]
+    r = openai_client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}, timeout=120)
+    assert [c.index for c in r.choices] == list(range(len(prompts)))
+    assert [c.text for c in r.choices] == alone
+    assert r.usage.completion_tokens == 12 * len(prompts)
+    streamed = [""] * len(prompts)  # started at once too, chunks interleaved by index
+    for chunk in openai_client.completions.create(model=MODEL, prompt=prompts, max_tokens=12,
+                                                  temperature=0, stream=True, timeout=120,
+                                                  extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == alone
+
+
+def test_a_non_streaming_client_that_gives_up_is_counted_as_aborted(cluster, openai_client):
+    import openai
+
+    abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
+    before = metrics(cluster)[abort]
+    with pytest.raises(openai.APITimeoutError):  # the client closes its connection after 2 s
+        openai_client.completions.create(model=MODEL, prompt="wait for me", max_tokens=1500,
+                                         temperature=0, extra_body={"ignore_eos": True}, timeout=2)
+    deadline = time.monotonic() + 30
+    while metrics(cluster)[abort] < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metrics(cluster)[abort] == before + 1
+
+
 # ---- n > 1, best_of, echo, prompt_logprobs (issue 14 points 3-4) ----------------------------------
 
 def test_n3_gives_three_choices_each_as_a_request_with_seed_plus_index(openai_client, offline_llm):

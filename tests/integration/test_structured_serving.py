@@ -57,6 +57,16 @@ def test_streamed_json_schema_output_is_schema_valid(client):
     jsonschema.validate(json.loads(text), CITY)
 
 
+def test_n3_with_a_json_schema_gives_three_schema_valid_choices(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=1.0, seed=5, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+
+
 def test_response_format_json_object_gives_an_object(client):
     r = client.chat.completions.create(
         model=MODEL, max_tokens=60, temperature=0, response_format={"type": "json_object"},
@@ -198,6 +208,67 @@ def test_tool_choice_required_streams_the_same_call(client):
     assert reasons[-1] == "tool_calls"
 
 
+# The default model does not call tools by itself: a regex holds it to each form, which the
+# `auto` parser then reads from the output as it would read a model's own call.
+AUTO_FORMS = [  # arguments of some 30 tokens: they stream in several deltas
+    ('Checking\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": '
+     '"(Paris|Rome|Oslo)", "days": [1-9], "units": "(metric|imperial)", "detail": '
+     '"(hourly|daily)", "language": "(English|French)"\\}\\}\\n</tool_call>', "Checking.\n",
+     "get_weather"),
+    ('\\{"name": "get_time", "parameters": \\{"timezone": "(Europe/Paris|UTC)", "format": '
+     '"(24h|12h)", "seconds": (true|false), "language": "(English|French)"\\}\\}', "",
+     "get_time"),
+]
+
+
+@pytest.mark.parametrize("regex, content, name", AUTO_FORMS, ids=["hermes", "llama3"])
+def test_tool_choice_auto_streams_call_deltas_as_generated(client, regex, content, name):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=150, temperature=0,
+                  tools=[WEATHER, TIME], extra_body={"structured_outputs": {"regex": regex}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    streamed_content, headers, fragments, reasons = "", [], [], []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        streamed_content += delta.content or ""
+        reasons.append(chunk.choices[0].finish_reason)
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            if tc.id:  # the call's first delta: id, type, name, arguments ""
+                headers.append((tc.type, tc.function.name, tc.function.arguments))
+            else:
+                fragments.append(tc.function.arguments)
+    assert streamed_content == content  # the text before the call; never the markup
+    assert headers == [("function", name, "")]
+    assert len(fragments) > 1  # the arguments came in pieces as they were generated
+    call = whole.message.tool_calls[0]
+    assert call.function.name == name
+    assert json.loads("".join(fragments)) == json.loads(call.function.arguments)
+    assert reasons[-1] == "tool_calls"
+
+
+def test_n2_with_a_named_tool_gives_a_call_per_choice_whole_and_streamed(client):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=40, temperature=1.0, seed=3, n=2,
+                  tools=[WEATHER, TIME], tool_choice=FORCE_WEATHER)
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert len(choice.message.tool_calls) == 1 and choice.message.content is None
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
+                            WEATHER["function"]["parameters"])
+    arguments, names, reasons = {0: "", 1: ""}, {}, {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        for tc in choice.delta.tool_calls or []:
+            names[choice.index] = tc.function.name or names.get(choice.index)
+            arguments[choice.index] += tc.function.arguments or ""
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert names == {0: "get_weather", 1: "get_weather"} and reasons == {0: "stop", 1: "stop"}
+    assert [json.loads(arguments[i]) for i in (0, 1)] == [
+        json.loads(c.message.tool_calls[0].function.arguments) for c in whole.choices]
+
+
 def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
     from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
     from kvmesh.cluster.tool_calls import parse_tools, render_chat
@@ -270,3 +341,66 @@ def test_grpc_bad_structured_outputs_are_invalid_argument_naming_the_field(clust
                          structured_outputs=pb.StructuredOutputs(**spec)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+# ---- gRPC: tools, echo, prompt logprobs -----------------------------------------------------------
+
+def _grpc_tool(tool: dict):
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    fn = tool["function"]
+    return pb.Tool(name=fn["name"], description=fn.get("description", ""),
+                   parameters=json.dumps(fn["parameters"]))
+
+
+def _grpc_calls(messages) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for m in messages:
+        for tc in m.tool_calls:
+            call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = tc.id or call["id"]
+            call["name"] = tc.name or call["name"]
+            call["arguments"] += tc.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_grpc_named_tool_choice_streams_a_schema_valid_call(cluster):
+    from kvmesh.cluster.client import grpc_stream
+
+    out = list(grpc_stream(cluster.grpc_target, messages=ASK_WEATHER, max_tokens=40, temperature=0,
+                           tools=[_grpc_tool(WEATHER), _grpc_tool(TIME)],
+                           tool_choice="get_weather"))
+    calls = _grpc_calls(out)
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and "".join(m.text for m in out) == ""
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_grpc_tool_choice_auto_streams_the_call_and_the_content_before_it(cluster):
+    from kvmesh.cluster.client import grpc_stream
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    regex, content, name = AUTO_FORMS[0]
+    out = list(grpc_stream(cluster.grpc_target, messages=ASK_WEATHER, max_tokens=150,
+                           temperature=0, tools=[_grpc_tool(WEATHER), _grpc_tool(TIME)],
+                           structured_outputs=pb.StructuredOutputs(regex=regex)))
+    assert "".join(m.text for m in out) == content  # no markup
+    calls = _grpc_calls(out)
+    assert [c["name"] for c in calls] == [name] and json.loads(calls[0]["arguments"])["city"]
+    assert sum(1 for m in out if m.tool_calls) > 2  # header, then the arguments in pieces
+    assert out[-1].finish_reason == "tool_calls"
+
+
+def test_grpc_echo_returns_the_prompt_and_its_logprobs(cluster):
+    from kvmesh.cluster.client import grpc_stream
+
+    prompt = "The capital of France is"
+    out = list(grpc_stream(cluster.grpc_target, prompt=prompt, max_tokens=3, temperature=0,
+                           echo=True, logprobs=2))
+    first = out[0]
+    assert first.prompt_text == prompt and len(first.prompt_token_ids) > 3
+    scored = [e for m in out for e in m.prompt_logprobs]
+    assert len(scored) == len(first.prompt_token_ids)
+    assert not scored[0].HasField("logprob") and all(e.HasField("logprob") for e in scored[1:])
+    assert all(e.rank >= 1 and len(e.top) <= 2 for e in scored[1:])
+    assert not any(m.prompt_text for m in out[1:])

@@ -14,6 +14,7 @@ class Handle:
     def __init__(self, *attempts):
         self.attempts = list(attempts)
         self.avoided = []  # routed.avoid_workers as each attempt saw it
+        self.routed = []  # the RoutedRequest of each attempt
         self.responses: list[Response] = []
 
     def options(self, stream):
@@ -25,6 +26,7 @@ class Handle:
 
     def remote(self, routed):
         self.avoided.append(list(routed.avoid_workers))
+        self.routed.append(routed)
         self.responses.append(Response(self.attempts.pop(0)))
         return self.responses[-1]
 

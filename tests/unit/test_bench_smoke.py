@@ -83,3 +83,40 @@ def test_bench_serve_options_parse_through_the_cli():
     args = build_parser().parse_args(["bench", "serve", "--rate", "8", "--policies", "kv_events,round_robin"])
     assert args.rate == [8] and args.policies == "kv_events,round_robin"
     assert args.handler.__module__ == "kvmesh.bench.serve"
+
+
+def test_offline_shared_prefix_workload_hits_the_prefix_cache(capsys):
+    """The prefill-heavy workload: long shared system prompts are computed once per prompt and then
+    read from the prefix cache; the run reports the FLOP rate it reached."""
+    from kvmesh.bench.workloads import shared_prefix_workload
+
+    r = run_json(capsys, ["bench", "offline", *TINY, "--workload", "shared-prefix", "--num-prompts", "6",
+                          "--prefix-len", "64", "--num-prefixes", "2", "--min-len", "4",
+                          "--max-input-len", "12", "--max-output-len", "4", "--max-num-seqs", "2", "--json"])
+    expected = shared_prefix_workload(6, 64, 2, 4, 12, 4)
+    assert r["workload"] == "shared-prefix" and r["nano_vllm_workload"] is False
+    assert r["prompt_tokens"] == expected.num_prompt_tokens and r["output_tokens"] == expected.num_output_tokens
+    assert all(p[:64] == expected.prompts[i % 2][:64] for i, p in enumerate(expected.prompts))
+    # two requests at a time: each prompt after the first two finds its 64-token prefix (4 blocks) cached
+    assert r["cached_prompt_tokens"] >= 4 * 64
+    assert r["achieved_flop_per_s"] > 0
+
+
+def test_offline_flags_are_checked(capsys):
+    assert main(["bench", "offline", *TINY, "--workload", "shared-prefix", "--prefix-len", "0", "--json"]) != 0
+    assert "--prefix-len" in capsys.readouterr().err
+
+
+def test_floor_of_a_moe_model_reads_only_the_experts_its_tokens_can_reach():
+    shape = ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                       head_dim=4, vocab_size=10, tie_word_embeddings=False, num_experts=4,
+                       experts_per_token=2, expert_intermediate_size=6, num_sparse_layers=1)
+    attention = 8 * 4 * (2 * 2 + 2 * 1)
+    dense_layer = attention + 3 * 8 * 16
+    sparse_fixed = attention + 8 * 4  # attention and the router
+    expert = 3 * 8 * 6
+    assert shape.matmul_params == dense_layer + sparse_fixed + 2 * expert
+    # one token reaches its 2 experts; many reach all 4 (expected distinct: E * (1 - (1 - k/E)^n))
+    assert shape.weight_bytes_for(1) == (dense_layer + 10 * 8 + sparse_fixed + 2 * expert) * 2
+    assert shape.weight_bytes_for(2) == (dense_layer + 10 * 8 + sparse_fixed + 3 * expert) * 2
+    assert shape.weight_bytes == (dense_layer + 10 * 8 + sparse_fixed + 4 * expert) * 2

@@ -73,7 +73,8 @@ def test_default_smollm2_matches_transformers():
     assert all(len(e) > 0 for e in expected)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-llama3"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-llama3",
+                                    "tiny-qwen3-moe", "tiny-mixtral"])
 def test_random_presets_match_transformers(preset):
     base, prompts, expected = check_model(f"random:{preset}")
     assert all(len(e) == MAX_NEW for e in expected if 258 not in e)

@@ -172,5 +172,6 @@ def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
     AutoConfig.for_model("gpt2", architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the lookup fails first
     with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] is not supported; "
-                                         r"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                         r"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                         r"Qwen3MoeForCausalLM, MixtralForCausalLM$"):
         LLM(str(tmp_path), device="cpu")

@@ -119,3 +119,132 @@ def test_closing_a_stream_early_cancels_the_worker_call():
     p = pipeline(handle)
     assert len(run_stream(p, take=1)) == 1
     assert handle.responses[0].cancelled and requests_counted(p, 200) == 0
+
+
+class Stall(asyncio.Event):
+    """A worker still generating; `reached` is set once the request waits on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reached = asyncio.Event()
+
+    async def wait(self):
+        self.reached.set()
+        return await super().wait()
+
+
+def aborts_counted(p: RequestPipeline) -> float:
+    return p.frontend.metrics.vllm.success.labels(
+        model_name=p.frontend.model_name, finished_reason="abort")._value.get()
+
+
+def test_a_non_streaming_request_whose_client_goes_is_counted_as_aborted():
+    async def main():
+        stall = Stall()
+        p = pipeline(Handle([TokenDelta("r", [5], "x", token_times=[1.0]),
+                             TokenDelta("r", [6], "x", token_times=[1.25]), stall]))
+        whole = asyncio.ensure_future(p.whole(await p.admit(request())))
+        await stall.reached.wait()
+        whole.cancel()  # what Serve does to the handler when the HTTP client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await whole
+        return p
+    p = asyncio.run(main())
+    assert aborts_counted(p) == 1 and requests_counted(p, 200) == 0
+    assert p.frontend.metrics.aborted.labels(model=p.frontend.model_name)._value.get() == 1
+    itl = p.frontend.metrics.vllm.itl.labels(model_name=p.frontend.model_name)
+    assert itl._sum.get() == 0.25  # the one gap between its two tokens
+
+
+class Barrier(asyncio.Event):
+    """Every worker call waits here until `calls` calls have been made: a request of several
+    prompts finishes only if all its prompts were sent to the workers before any finished."""
+
+    def __init__(self, handle: Handle, calls: int):
+        super().__init__()
+        self.handle, self.calls = handle, calls
+
+    async def wait(self):
+        if len(self.handle.responses) >= self.calls:
+            self.set()
+        return await super().wait()
+
+
+def run_several(handle: Handle, scripts_after_barrier: list[list], num_prompts: int):
+    barrier = Barrier(handle, num_prompts)
+    handle.attempts = [[barrier, *script] if i < num_prompts else script
+                       for i, script in enumerate(scripts_after_barrier)]
+
+    async def main():
+        p = pipeline(handle)
+        admitted = [await p.admit(request(token_ids=[i + 1, 2, 3])) for i in range(num_prompts)]
+        return p, await asyncio.wait_for(p.whole_of_several(admitted), timeout=10)  # sequential: the first waits forever
+    return asyncio.run(main())
+
+
+def test_several_prompts_run_at_once_and_answer_in_prompt_order():
+    handle = Handle()
+    scripts = [[delta([10 + i]), delta([20 + i], "length")] for i in range(3)]
+    p, results = run_several(handle, scripts, 3)
+    assert [r.token_ids for r in results] == [[10, 20], [11, 21], [12, 22]]
+    assert [r.prompt_token_ids[0] for r in handle.routed] == [1, 2, 3]
+    assert requests_counted(p, 200) == 3
+
+
+def test_a_prompt_whose_worker_dies_is_run_again_as_a_single_request_is():
+    from kvmesh.cluster.engine_loop import EngineUnavailable
+
+    handle = Handle()
+    scripts = [[delta([10]), delta([20], "length")],
+               [delta([11]), EngineUnavailable("w1", "engine process died")],  # after a token
+               [delta([12]), delta([22], "length")],
+               [delta([31]), delta([41], "length")]]  # prompt 1's second attempt
+    p, results = run_several(handle, scripts, 3)
+    assert [r.token_ids for r in results] == [[10, 20], [31, 41], [12, 22]]
+    assert handle.avoided[-1] == ["w1"]  # the retry ranks the dead worker last
+
+
+def test_a_finished_stream_observes_each_gap_between_its_tokens():
+    p = pipeline(Handle([TokenDelta("r", [5], "x", token_times=[1.0]),
+                         TokenDelta("r", [6, 7], "xy", finish_reason="length",
+                                    token_times=[1.5, 1.75])]))  # two steps merged on the way
+    run_stream(p)
+    itl = p.frontend.metrics.vllm.itl.labels(model_name=p.frontend.model_name)
+    from kvmesh.cluster.metrics import VLLM_ITL_BUCKETS
+
+    counts = dict(zip(VLLM_ITL_BUCKETS, (bucket.get() for bucket in itl._buckets)))
+    assert itl._sum.get() == 0.75 and counts[0.3] == 1 and counts[0.5] == 1  # not 0.375 twice
+
+
+def test_several_prompts_streams_start_at_once_in_prompt_order():
+    handle = Handle()
+    barrier = Barrier(handle, 3)
+    handle.attempts = [[barrier, delta([10 + i]), delta([20 + i], "length")] for i in range(3)]
+
+    async def main():
+        p = pipeline(handle)
+        admitted = [await p.admit(request(token_ids=[i + 1, 2, 3])) for i in range(3)]
+        # one after another, the first stream's first delta would wait for the other two calls
+        streams = await asyncio.wait_for(p.streams_of_several(admitted), timeout=10)
+        out = []
+        for stream in streams:
+            async with stream:
+                out.append([d.token_ids for d in [d async for d in stream]])
+        return out
+    assert asyncio.run(main()) == [[[10], [20]], [[11], [21]], [[12], [22]]]
+
+
+def test_a_refused_prompt_closes_the_streams_started_beside_it():
+    handle = Handle()
+    barrier = Barrier(handle, 2)
+    handle.attempts = [[barrier, delta([10]), asyncio.Event()],
+                       [barrier, delta([], "error", "invalid_request: no")]]
+
+    async def main():
+        p = pipeline(handle)
+        admitted = [await p.admit(request(token_ids=[i + 1, 2])) for i in range(2)]
+        with pytest.raises(ApiError) as e:
+            await asyncio.wait_for(p.streams_of_several(admitted), timeout=10)
+        return e.value
+    error = asyncio.run(main())
+    assert error.status == 400 and handle.responses[0].cancelled

@@ -210,3 +210,17 @@ def test_a_grammar_that_leads_nowhere_ends_its_request_as_invalid():
     assert deltas[-1].finish_reason == "error"
     assert deltas[-1].error == ("invalid_request: structured_outputs: the grammar allows no token "
                                 "after 1 tokens")
+
+
+@pytest.mark.slow
+def test_n3_under_a_json_schema_gives_three_schema_valid_sequences(llm):
+    """Each forked sequence has its own grammar state: three different samples, each valid."""
+    params = SamplingParams(n=3, max_tokens=80, temperature=1.0, seed=5,
+                            structured_outputs=StructuredOutputs(json=SCHEMA))
+    out = llm.chat(chat("Give the city, population and whether it is a capital, for Paris, as JSON."),
+                   params, use_tqdm=False)[0]
+    assert len(out.sequences) == 3
+    for sequence in out.sequences:
+        assert sequence.finish_reason == "stop"
+        jsonschema.validate(json.loads(sequence.text), SCHEMA)
+    assert len({s.text for s in out.sequences}) > 1  # sampled apart, not one state shared

@@ -4,7 +4,7 @@ is counted with finished_reason "abort"."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.cluster.metrics import IngressMetrics
+from kvmesh.cluster.metrics import IngressMetrics, TokenGaps
 from kvmesh.protocol import TokenDelta, WorkerLoad
 
 MODEL = "tiny"
@@ -27,7 +27,8 @@ def test_a_finished_request_feeds_the_vllm_request_metrics():
                       num_cached_tokens=4, arrival_time=100.0, scheduled_time=100.5,
                       first_token_time=101.0)
     m.observe_engine_times(MODEL, last, first_token=200.25, end=201.25, output_tokens=5,
-                           prompt_tokens=10, cached_tokens=4, arrival=200.0)
+                           prompt_tokens=10, cached_tokens=4, arrival=200.0,
+                           token_gaps=[0.125, 0.125, 0.25, 0.5])
     found = samples(m)
     assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 1
     assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="stop") == 0
@@ -39,6 +40,9 @@ def test_a_finished_request_feeds_the_vllm_request_metrics():
     assert value(found, "vllm:e2e_request_latency_seconds_sum", model_name=MODEL) == 1.25
     assert value(found, "vllm:inter_token_latency_seconds_count", model_name=MODEL) == 4  # 4 gaps
     assert value(found, "vllm:inter_token_latency_seconds_sum", model_name=MODEL) == 1.0
+    # each gap in its own bucket, not the request's mean (0.25) four times
+    assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.15") == 2
+    assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.3") == 3
     assert value(found, "vllm:request_queue_time_seconds_sum", model_name=MODEL) == 0.5
     assert value(found, "vllm:request_prefill_time_seconds_sum", model_name=MODEL) == 0.5
     assert value(found, "vllm:request_decode_time_seconds_sum", model_name=MODEL) == 1.0
@@ -64,3 +68,22 @@ def test_worker_gauges_have_vllm_names_per_engine():
     assert value(found, "vllm:num_requests_waiting", model_name=MODEL, engine="w1") == 3
     assert value(found, "vllm:kv_cache_usage_perc", model_name=MODEL, engine="w1") == 0.75
     assert value(found, "vllm:num_preemptions_total", model_name=MODEL, engine="w1") == 7
+
+
+def test_token_gaps_are_each_gap_per_sequence_also_when_deltas_were_merged():
+    gaps = TokenGaps()
+    first = TokenDelta("r", [1], "", token_times=[10.0])
+    merged = TokenDelta("r", [2], "", token_times=[10.5]).followed_by(
+        TokenDelta("r", [3], "", token_times=[12.0]))  # a reader that fell behind gets one delta
+    other = TokenDelta("r", [7, 8], "", token_times=[10.25, 10.75], index=1)  # n > 1
+    for delta in (first, other, merged):
+        gaps.add(delta)
+    assert gaps.gaps == [0.5, 0.5, 1.5]
+
+
+def test_an_abort_observes_the_gaps_of_the_tokens_it_made():
+    m = IngressMetrics()
+    m.init_model(MODEL)
+    m.observe_abort(MODEL, prompt_tokens=3, output_tokens=3, token_gaps=[0.01, 0.02])
+    found = samples(m)
+    assert value(found, "vllm:inter_token_latency_seconds_count", model_name=MODEL) == 2

@@ -14,6 +14,24 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
+UNSUPPORTED_ROPE = {"dynamic": "its frequencies depend on the sequence length"}
+
+
+def check_rope(hf_config, name: str) -> None:
+    """A ValueError naming the field when the config's RoPE type is one we cannot compute."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_parameters(hf_config)["rope_type"]
+    if rope_type == "default":
+        return
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in UNSUPPORTED_ROPE:
+        why = UNSUPPORTED_ROPE.get(rope_type, "unknown rope type")
+        supported = ["default"] + sorted(t for t in ROPE_INIT_FUNCTIONS if t not in UNSUPPORTED_ROPE)
+        # hub configs hold it in rope_scaling; transformers 5 saves it as rope_parameters
+        raise ValueError(f"model {name!r}: config.json rope_scaling.rope_type (rope_parameters.rope_type) "
+                         f"{rope_type!r} is not supported ({why}); supported: {', '.join(supported)}")
+
+
 def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2], attention scaling) for the config's rope type."""
     params = rope_parameters(hf_config)
@@ -26,11 +44,7 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     # frequencies match the reference model bit for bit.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, "
-                         + ", ".join(sorted(ROPE_INIT_FUNCTIONS)))
-    if rope_type == "dynamic":
-        raise ValueError("rope type 'dynamic' is not supported (its frequencies depend on the sequence length)")
+    check_rope(hf_config, getattr(hf_config, "_name_or_path", "") or "?")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 

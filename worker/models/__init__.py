@@ -19,6 +19,8 @@ MODELS = {
     "LlamaForCausalLM": ModelEntry("llama", "kvmesh.worker.models.decoder:DecoderForCausalLM"),
     "Qwen2ForCausalLM": ModelEntry("qwen2", "kvmesh.worker.models.qwen2:Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "kvmesh.worker.models.qwen3:Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "kvmesh.worker.models.qwen3_moe:Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ModelEntry("mixtral", "kvmesh.worker.models.mixtral:MixtralForCausalLM"),
 }
 
 

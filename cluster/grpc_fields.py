@@ -1,0 +1,171 @@
+"""What a kvmesh.v1 GenerateRequest asks beyond sampling, read once before admission, and how its
+responses carry it: structured outputs (built once, then compiled and passed on), tools and
+tool_choice (rendered into the chat as HTTP renders them, calls streamed as tool-call deltas),
+echo and prompt logprobs (on the first messages). The same code as HTTP's does the work
+(structured_request, tool_calls, tool_parser, openai_echo's rules); this is the gRPC shape of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from kvmesh.cluster import tool_parser
+from kvmesh.cluster.openai_protocol import ApiError
+from kvmesh.cluster.structured_request import Structured
+from kvmesh.cluster.tool_calls import ToolRequest, forced_structure, parse_tools, render_chat
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.protocol import PromptLogprobs, TokenDelta
+from kvmesh.structured_outputs import StructuredOutputs
+
+
+@dataclass
+class GrpcAsk:
+    """A GenerateRequest's constraint (built once: compiled, then handed to the sampling params)
+    and its tools (None: no tools)."""
+    structured: Structured | None = None
+    tools: ToolRequest | None = None
+
+
+def read_ask(request: pb.GenerateRequest) -> GrpcAsk:
+    ask = GrpcAsk()
+    if request.HasField("structured_outputs"):
+        ask.structured = Structured(structured_from_proto(request.structured_outputs),
+                                    "structured_outputs")
+    if request.tools or request.tool_choice:
+        ask.tools = _tools(request)
+    tools = ask.tools
+    if tools is not None and tools.parses_output:
+        if not request.messages:
+            raise ApiError(400, "tools need messages (the chat template renders them)",
+                           param="tools")
+        if request.HasField("logprobs"):
+            raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are not "
+                           "token-aligned)", param="logprobs")
+    if tools is not None and (forced := forced_structure(tools)) is not None:
+        if ask.structured is not None:
+            raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "
+                           "structured_outputs cannot be given with it", param="structured_outputs")
+        ask.structured = Structured(forced.spec, "tool_choice")
+    return ask
+
+
+def structured_from_proto(spec: pb.StructuredOutputs) -> StructuredOutputs:
+    """The request's constraint as kvmesh's plain data; ApiError(400) naming the field when it
+    is not exactly one well-formed constraint."""
+    param = "structured_outputs"
+    schema = None
+    if spec.HasField("json_schema"):
+        param = "structured_outputs.json_schema"
+        try:
+            schema = json.loads(spec.json_schema)
+        except ValueError as e:
+            raise ApiError(400, f"{param}: not JSON ({e})", param=param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, f"{param}: a JSON schema is an object", param=param)
+    try:
+        return StructuredOutputs(
+            json=schema, json_object=spec.json_object,
+            regex=spec.regex if spec.HasField("regex") else None,
+            choice=list(spec.choice) or None,
+            grammar=spec.grammar if spec.HasField("grammar") else None)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
+def _tools(request: pb.GenerateRequest) -> ToolRequest | None:
+    """tools / tool_choice in OpenAI's shape, checked by the same code as HTTP's."""
+    tools = []
+    for i, tool in enumerate(request.tools):
+        function = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except ValueError as e:
+                raise ApiError(400, f"tools.{i}.parameters: not JSON ({e})",
+                               param=f"tools.{i}.parameters") from None
+        tools.append({"type": "function", "function": function})
+    choice = request.tool_choice or None
+    if choice not in (None, "none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    return parse_tools(SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=parallel))
+
+
+def chat_messages(request: pb.GenerateRequest, tools: ToolRequest | None,
+                  tokenizer) -> tuple[list[dict], list[dict] | None]:
+    """(messages for the chat template, tools for it or None), history calls and tool results
+    rendered as HTTP renders them (tool_calls.render_chat)."""
+    messages = [SimpleNamespace(
+        role=m.role, tool_call_id=m.tool_call_id or None,
+        tool_calls=[{"id": c.id, "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+                    for c in m.tool_calls] or None)
+        for m in request.messages]
+    texts = [{"role": m.role, "content": m.content} for m in request.messages]
+    return render_chat(messages, texts, tools, tokenizer)
+
+
+def prompt_logprobs_asked(request: pb.GenerateRequest) -> int | None:
+    """The engine's prompt_logprobs: the request's, and `logprobs` when the prompt is echoed."""
+    asked = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+    if request.echo and request.HasField("logprobs"):
+        asked = max(asked or 0, request.logprobs)
+    return asked
+
+
+def prompt_logprob_entries(scores: PromptLogprobs, top_k: int) -> list[pb.PromptTokenLogprob]:
+    out = []
+    for logprob, rank, top in zip(scores.logprobs, scores.ranks, scores.top):
+        entry = pb.PromptTokenLogprob(top=dict(list((top or {}).items())[:top_k]))
+        if logprob is not None:
+            entry.logprob = logprob
+        if rank is not None:
+            entry.rank = rank
+        out.append(entry)
+    return out
+
+
+class ResponseShape:
+    """Puts what the request asked for into its stream's messages: the echoed prompt on the
+    first, the prompt's logprobs on the first with a token, tool calls parsed from the text."""
+
+    def __init__(self, request: pb.GenerateRequest, ask: GrpcAsk, prompt_ids: list[int],
+                 decode):
+        self.echo = request.echo
+        self.prompt_ids, self.decode = prompt_ids, decode
+        self.prompt_text = request.prompt if request.prompt else None
+        self.top_k = prompt_logprobs_asked(request)
+        self.tools = ask.tools if ask.tools is not None and ask.tools.parses_output else None
+        self.parsers: dict[int, tool_parser.ToolStream] = {}  # n > 1: one per sequence
+        self._first = True
+
+    def apply(self, out: pb.GenerateResponse, delta: TokenDelta) -> pb.GenerateResponse:
+        if self._first and self.echo:
+            out.prompt_text = (self.prompt_text if self.prompt_text is not None
+                               else self.decode(self.prompt_ids))
+            out.prompt_token_ids.extend(self.prompt_ids)
+        self._first = False
+        if delta.prompt_logprobs is not None and self.top_k is not None:
+            out.prompt_logprobs.extend(prompt_logprob_entries(delta.prompt_logprobs, self.top_k))
+        if self.tools is None:
+            return out
+        parser = self.parsers.setdefault(delta.index, tool_parser.ToolStream(self.tools))
+        ended = delta.finish_reason is not None  # this sequence's end
+        pieces = parser.feed(delta.text)
+        if ended:
+            pieces += parser.finish()
+        out.text = "".join(p.get("content", "") for p in pieces)
+        for piece in pieces:
+            for call in piece.get("tool_calls", []):
+                function = call.get("function", {})
+                out.tool_calls.append(pb.ToolCallDelta(
+                    index=call["index"], id=call.get("id", ""), name=function.get("name", ""),
+                    arguments=function.get("arguments", "")))
+        if ended:
+            out.finish_reason = tool_parser.finish_reason(delta.finish_reason, self.tools,
+                                                          parser.calls) or ""
+        return out
