@@ -34,7 +34,10 @@ CASES = {
     "decode": dict(decode_ctx=[5, 900, 64, 2049], prompt_lens=[], prefix_lens=[]),
     "decode_long_few": dict(decode_ctx=[8000], prompt_lens=[], prefix_lens=[]),
 }
-SHAPES = [(16, 16, 128), (16, 8, 128), (16, 2, 64), (16, 4, 128)]  # GQA 1, 2, 8, 4
+SHAPES = [(16, 16, 128), (16, 8, 128), (16, 4, 128), (16, 2, 64)]  # GQA 1, 2, 4, 8
+# head_dim 64 on triton only: each flashinfer head dim x FP8 variant is another JIT build (~1-2 min)
+BACKEND_SHAPES = [(name, *shape) for name in ("triton", "flashinfer") for shape in SHAPES
+                  if name == "triton" or shape[2] == 128]
 
 
 def installed(name):
@@ -52,8 +55,7 @@ def backend_class(name):
     return FlashInferAttentionBackend
 
 
-@pytest.mark.parametrize("name", ["triton", "flashinfer"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("name,num_heads,num_kv_heads,head_dim", BACKEND_SHAPES)
 @pytest.mark.parametrize("kind", list(CASES))
 @pytest.mark.parametrize("k_scale,v_scale", SCALES)
 def test_backend_over_an_fp8_pool_matches_the_rounded_reference(name, num_heads, num_kv_heads, head_dim, kind,
