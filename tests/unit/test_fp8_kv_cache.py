@@ -145,3 +145,11 @@ def test_the_floor_counts_an_fp8_cache_at_one_byte_per_element():
                  vocab_size=10, tie_word_embeddings=True)
     assert ModelShape(**shape, kv_dtype_bytes=1).kv_bytes_per_token * 2 == ModelShape(**shape).kv_bytes_per_token
     assert ModelShape(**shape, kv_dtype_bytes=1).weight_bytes == ModelShape(**shape).weight_bytes
+
+
+def test_the_config_and_the_registry_name_the_same_kv_cache_dtypes():
+    from kvmesh.config import KV_CACHE_DTYPES
+    from kvmesh.worker.attention.registry import kv_cache_dtype_name
+
+    registry_names = {name for spec in BACKENDS.values() for name in spec.kv_cache_dtypes}
+    assert {kv_cache_dtype_name(name) for name in KV_CACHE_DTYPES} == registry_names == {"auto", "fp8_e4m3"}
