@@ -3,7 +3,7 @@
 Cache layout (see kvmesh.worker.attention.base): [num_blocks, block_size, num_kv_heads, head_dim],
 so slot s addresses row s of the cache viewed as [num_blocks * block_size, num_kv_heads * head_dim].
 A negative slot (padding in a CUDA-graph batch) is skipped. Into an FP8 (float8_e4m3fn) cache it
-stores K * (1 / k_scale) and V * (1 / v_scale), clamped to e4m3's +-448 (the scales are the layer's per-tensor
+stores K * (1 / k_scale) and V * (1 / v_scale), clamped to e4m3's +-448 (the layer's per-tensor
 scales; the attention kernels multiply them back in).
 """
 
@@ -48,7 +48,6 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert k_cache.shape[2] * k_cache.shape[3] == row, "cache heads/head_dim do not match key"
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    assert fp8 or k_cache.dtype == key.dtype, "a cache is in the model dtype or float8_e4m3fn"
     _store_kvcache_kernel[(num_tokens,)](
         # x * (1 / scale) in float32, as worker/kv_cache.quantize_fp8: the same bytes (Triton's
         # float32 division is approximate)
