@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
 
 @triton.jit
 def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,

@@ -2,10 +2,10 @@
 
 An FP8 cache stores round(x / scale) clamped to e4m3's range (+-448) as torch.float8_e4m3fn and
 reads x ~= stored * scale: per tensor, one k_scale and one v_scale per layer. Without calibrated
-scales they are 1.0, vLLM's default; K and V after the projections (and Qwen3's k norm) of the
-models served here sit well inside +-448, so the cost is e4m3's 3-bit mantissa (a relative error of
-at most 2^-4 per element), not clipping. The Triton kernels do the same arithmetic inside
-(kvmesh.kernels); these are the torch reference's.
+scales they are 1.0, vLLM's default (no calibration here): within +-448 the cost is e4m3's 3-bit
+mantissa, a relative error of at most 2^-4 per element (below 2^-6 an absolute 2^-10); a value
+beyond is clamped, which a model with such K or V outliers would need calibrated scales to avoid.
+The Triton kernels do the same arithmetic inside (kvmesh.kernels); these are the torch reference's.
 """
 
 import torch
