@@ -235,6 +235,7 @@ class EngineThread:
     def _run(self, receive) -> None:
         try:
             self.core.run(self._next_command, receive)
+            self.core.engine.close()  # its tensor-parallel ranks, if any
         except BaseException as e:  # the worker's health check reports it; Serve replaces the replica
             logger.exception("kvmesh engine thread died")
             receive(Failed(repr(e)))

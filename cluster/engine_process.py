@@ -139,8 +139,9 @@ def main(conn: Connection) -> int:
     conn.send(core.ready())
     try:
         core.run(lambda timeout_s: conn.recv() if conn.poll(timeout_s) else None, conn.send)
+        core.engine.close()  # its tensor-parallel ranks, if any
         return 0
-    except (EOFError, OSError):  # the replica is gone
+    except (EOFError, OSError):  # the replica is gone (the ranks, daemon processes, end with this one)
         return 0
     except BaseException:
         try:

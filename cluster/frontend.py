@@ -47,7 +47,8 @@ class Frontend:
         self.metrics.init_model(self.model_name)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
-        self._decode_cache: dict[int, str] = {}
+        self._token_texts: dict[int, str] = {}  # from the engine processes (learn_token_texts)
+        self.token_text_misses = 0  # decode_token calls the engine sent no text for (expected 0)
         # One thread: a tokenizer is not safe to call from two at once, and small prompts do not
         # queue behind large ones (they stay on the loop).
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-tokenize")
@@ -129,12 +130,19 @@ class Frontend:
         loop = asyncio.get_running_loop()
         return list(await loop.run_in_executor(self._tokenize_pool, lambda: fn(*args, **kwargs)))
 
+    def learn_token_texts(self, texts: dict[int, str] | None) -> None:
+        """Token texts the engine process sent with a delta (TokenDelta.token_texts)."""
+        if texts:
+            self._token_texts.update(texts)  # bounded by the vocabulary
+
     def decode_token(self, token_id: int) -> str:
-        text = self._decode_cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            if len(self._decode_cache) < 200_000:
-                self._decode_cache[token_id] = text
+        """A logprob token's text: the engine process decodes it and sends it with the delta that
+        names the token (it owns output detokenization); the ingress does not decode it again."""
+        text = self._token_texts.get(token_id)
+        if text is None:  # not expected: counted, and decoded here so the answer is still whole
+            self.token_text_misses += 1
+            logger.warning("token %d reached the ingress without its text", token_id)
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
     async def check_prompt(self, prompt_ids: list[int], param: str) -> ModelInfo:

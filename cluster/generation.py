@@ -135,6 +135,7 @@ class Collected:
         self.top_logprobs: list[dict] = []
         self.last: TokenDelta | None = None
         self.prompt_logprobs = None  # PromptLogprobs, with SamplingParams.prompt_logprobs
+        self.token_texts: dict[int, str] = {}  # TokenDelta.token_texts of every delta
         self.sequences: dict[int, Collected] = {}  # by TokenDelta.index (n > 1: one per choice)
         self.first_token_time: float | None = None  # the worker's clock
         self.first_token_seen: float | None = None  # when it reached the ingress
@@ -149,6 +150,8 @@ class Collected:
             self.top_logprobs.extend(delta.top_logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.token_texts:
+            self.token_texts.update(delta.token_texts)
         if self.per_sequence:
             sequence = self.sequences.get(delta.index)
             if sequence is None:

@@ -145,10 +145,17 @@ def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
 
 def fit_to_this_machine(cfg: ServeConfig, address: str | None, out=sys.stdout) -> ServeConfig:
     """On a local Ray without a GPU, `device: auto` means CPU replicas: ask Ray for no GPU instead
-    of waiting forever for one. `device: cuda` without a GPU is an error naming what is missing."""
+    of waiting forever for one. `device: cuda` without a GPU, or more GPUs per replica than the
+    machine has, is an error naming what is missing."""
     if address is not None or cfg.replicas.num_gpus == 0:
         return cfg
-    if _local_gpus() > 0:
+    gpus = _local_gpus()
+    if gpus > 0:
+        if cfg.replicas.num_gpus > gpus:  # Serve would wait for it forever
+            raise ValueError(f"replicas.num_gpus is {cfg.replicas.num_gpus:g} (engine.tensor_parallel_size "
+                             f"{cfg.engine.tensor_parallel_size}) but this machine has {gpus} GPU(s): no "
+                             f"worker replica could be placed; lower both, or use --address to join a "
+                             f"cluster with larger GPU nodes")
         return cfg
     if cfg.engine.device == "cuda":
         raise ValueError("engine.device is cuda but this machine has no CUDA GPU for Ray to give "

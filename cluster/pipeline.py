@@ -168,6 +168,7 @@ class RequestPipeline:
         except asyncio.CancelledError:  # the client went away (or its deadline passed): aborted
             self.frontend.account_abort(routed, len(result.token_ids), result.token_gaps.gaps)
             raise
+        self.frontend.learn_token_texts(result.token_texts)
         last = result.last
         if last is None:
             raise ApiError(503, "no result")
@@ -249,6 +250,7 @@ class DeltaStream:
 
     async def _next(self) -> TokenDelta:
         delta = await self._read()
+        self.frontend.learn_token_texts(delta.token_texts)
         self.num_tokens += len(delta.token_ids)
         self._token_gaps.add(delta)
         if delta.token_ids and self._first_token_time is None:

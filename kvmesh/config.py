@@ -37,6 +37,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     worker_id: str = "worker-0"
+    # Ranks (GPUs, or CPU processes) one engine's model is split over by heads (worker/tensor_parallel.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         def fail(name, limit):
@@ -61,6 +63,8 @@ class EngineConfig:
             fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "an integer >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             fail("dtype", "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

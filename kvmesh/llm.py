@@ -4,6 +4,9 @@
     outs = llm.generate(["prompt", ...], SamplingParams(max_tokens=32, temperature=0))
     outs = llm.generate(prompt_token_ids=[[...]], sampling_params=...)
     outs = llm.chat([{"role": "user", "content": "..."}], sampling_params)
+
+    with LLM("random:qwen3-0.6b", tensor_parallel_size=2) as llm:   # split over 2 GPUs (or 2 CPU
+        ...                                                         # processes with device="cpu")
 """
 
 import dataclasses
@@ -29,6 +32,17 @@ class LLM:
         self.engine = Engine(config, progress=sys.stderr.isatty())
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks (if any); the process of a closed LLM may then
+        build another with tensor_parallel_size > 1."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- prompts -----------------------------------------------------------------------------
 

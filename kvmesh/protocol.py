@@ -158,6 +158,9 @@ class TokenDelta:
     # When each of token_ids was sampled (the worker's clock): the inter-token gaps vLLM's
     # inter_token_latency_seconds observes, kept apart when a slow reader gets deltas merged
     token_times: list[float] | None = None
+    # With logprobs / prompt_logprobs: the text of every token id those name (the engine process
+    # decodes; the ingress looks them up)
+    token_texts: dict[int, str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -182,7 +185,12 @@ class TokenDelta:
             self.prompt_logprobs or later.prompt_logprobs, self.index, later.more_sequences,
             later.stop_reason,
             self.scheduled_time if self.scheduled_time is not None else later.scheduled_time,
-            _joined(self.token_times, later.token_times))
+            _joined(self.token_times, later.token_times),
+            _merged_texts(self.token_texts, later.token_texts))
+
+
+def _merged_texts(a: dict | None, b: dict | None) -> dict | None:
+    return a if not b else b if not a else {**a, **b}
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

@@ -44,6 +44,7 @@ class EngineSection(_Strict):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs for decode.")
     torch_compile: bool = Field(False, description="torch.compile each layer's work outside attention (fuses residual adds into the norms, q/k norm into rotary); compiles when the worker starts.")
     seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each worker splits its model over by attention heads (tensor parallelism, one process per GPU, NCCL); the worker is still one replica to the router. Needs replicas.num_gpus equal to it (or 0: CPU processes with gloo, for tests).")
 
 
 class ReplicasSection(_Strict):
@@ -150,6 +151,14 @@ class ServeConfig(_Strict):
             raise ValueError("route_prefix must start with '/'")
         return v
 
+    @model_validator(mode="after")
+    def _gpus_for_ranks(self):
+        tp, gpus = self.engine.tensor_parallel_size, self.replicas.num_gpus
+        if tp > 1 and gpus not in (0, tp):
+            raise ValueError(f"replicas.num_gpus ({gpus:g}) must equal engine.tensor_parallel_size ({tp}): "
+                             f"each rank of a worker runs on its own GPU (or 0 for CPU ranks)")
+        return self
+
     @property
     def scales_to_zero(self) -> bool:
         """Autoscaling may take the workers to zero replicas (then none is not a failure)."""
@@ -164,7 +173,8 @@ class ServeConfig(_Strict):
             max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
             gpu_memory_utilization=e.gpu_memory_utilization,
             enable_prefix_caching=e.enable_prefix_caching, attention_backend=e.attention_backend,
-            kv_cache_dtype=e.kv_cache_dtype, enforce_eager=e.enforce_eager, torch_compile=e.torch_compile, seed=e.seed, worker_id=worker_id)
+            kv_cache_dtype=e.kv_cache_dtype, enforce_eager=e.enforce_eager, torch_compile=e.torch_compile,
+            seed=e.seed, worker_id=worker_id, tensor_parallel_size=e.tensor_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

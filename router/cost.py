@@ -86,6 +86,21 @@ def worker_costs(num_prompt_tokens: int, cached_tokens: np.ndarray, cols: LoadCo
     return cost
 
 
+def worker_cost(num_prompt_tokens: int, cached_tokens: float, key: LoadKey, weights: CostWeights) -> float:
+    """worker_costs of one worker whose load is `key`, bit for bit: the same terms added in the same
+    order, in Python floats (a few workers' costs without numpy's per-call overhead)."""
+    cost = weights.prefill * (num_prompt_tokens - cached_tokens)
+    if weights.queued_prefill:
+        cost += weights.queued_prefill * key.waiting_prefill_tokens
+    if weights.running_decode:
+        cost += weights.running_decode * key.running_decode_tokens
+    if weights.kv_pressure:
+        cost += weights.kv_pressure * (key.kv_usage * key.kv_usage)
+    if weights.outstanding:
+        cost += weights.outstanding * key.outstanding
+    return cost
+
+
 def load_cost(key: LoadKey, weights: CostWeights) -> float:
     """The part of every worker's cost that does not depend on the request: the order of the workers
     that hold none of its prefix (kvmesh.router.load_order). Equal to worker_costs minus the prefill

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 MAX_PENDING_BATCHES = 1024  # batches kept per worker while its snapshot is awaited
@@ -257,7 +259,8 @@ class KVIndex:
     def overlap(self, block_hashes: Sequence[int],
                 worker_ids: Iterable[str] | None = None) -> dict[str, int]:
         """Number of leading blocks of `block_hashes` each worker holds; workers with none are left
-        out. `worker_ids` restricts the answer to those workers."""
+        out. `worker_ids` restricts the answer to those workers. In `levels` order (fewest blocks
+        first, then by slot)."""
         if worker_ids is None:
             alive = self._all_mask
         else:
@@ -266,33 +269,57 @@ class KVIndex:
                 entry = self._workers.get(wid)
                 if entry is not None:
                     alive |= 1 << entry.slot
+        owner = self._slot_owner
+        result: dict[str, int] = {}
+        for num_blocks, mask in self.levels(block_hashes, alive):
+            for slot in bit_positions(mask):
+                result[owner[slot]] = num_blocks
+        return result
+
+    def levels(self, block_hashes: Sequence[int], alive: int | None = None) -> list[tuple[int, int]]:
+        """The holders of the prompt's prefixes by length: [(num_blocks, mask)], num_blocks ascending
+        (each >= 1), `mask` the slots (`slot`, `worker_at`) of the workers whose leading cached
+        blocks of `block_hashes` number exactly `num_blocks`. The masks are disjoint and one entry
+        stands for every worker at that length, so the answer grows with the number of distinct
+        lengths, not with the holders (a system prompt on every worker is one entry). `alive`: only
+        these slots (default every worker's). O(prompt runs)."""
+        if alive is None:
+            alive = self._all_mask
         if not alive or not block_hashes:
-            return {}
+            return []
         # The walk goes run by run: one lookup finds a block's run, whose hashes the prompt's next
         # blocks are compared to in C (a chain's blocks stored together form one run), so a prompt
         # costs a lookup per run, not per block. The holder set can only shrink at a run's boundary
         # (a worker missing block i cannot count blocks after it).
         if not isinstance(block_hashes, list):
             block_hashes = list(block_hashes)
-        get, owner = self._blocks.get, self._slot_owner
-        result: dict[str, int] = {}
+        get = self._blocks.get
+        levels: list[tuple[int, int]] = []
         running, num_leading = alive, 0  # workers holding every block so far; blocks so far
-        while num_leading < len(block_hashes):
+        num_hashes = len(block_hashes)
+        while num_leading < num_hashes:
             run = get(block_hashes[num_leading])
             if run is None:
                 break
             held = running & run.mask
             if held != running:
                 if num_leading:  # workers that held blocks 0..num_leading-1 but not this run
-                    for slot in _bits(running & ~held):
-                        result[owner[slot]] = num_leading
+                    levels.append((num_leading, running ^ held))
                 running = held
                 if not running:
-                    return result
+                    return levels
             num_leading += _run_length(run.hashes, block_hashes, num_leading)
-        for slot in _bits(running if num_leading else 0):
-            result[owner[slot]] = num_leading
-        return result
+        if num_leading and running:
+            levels.append((num_leading, running))
+        return levels
+
+    def slot(self, worker_id: str) -> int:
+        """The worker's bit position in the masks of `levels` (a new worker is registered, as by
+        add_worker). A slot is reused only after remove_worker."""
+        return self._entry(worker_id).slot
+
+    def worker_at(self, slot: int) -> str | None:
+        return self._slot_owner[slot] if slot < len(self._slot_owner) else None
 
     def holders(self, block_hash: int) -> list[str]:
         run = self._blocks.get(block_hash)
@@ -364,3 +391,14 @@ def _bits(mask: int):
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+def bit_positions(mask: int) -> list[int]:
+    """Positions of the set bits of `mask` (>= 0), lowest first. Past 16 bits, numpy unpacks the
+    bytes (~3.5 us warm, several times that with cold caches between decisions): a Python loop costs
+    ~0.25 us a bit on a 4,096-bit mask (each step copies the int)."""
+    if mask.bit_count() <= 16:
+        return list(_bits(mask))
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    # nonzero on a bool view: 6x faster than on the uint8 bits (numpy 2.x, 4,096 bits: ~1.3 us)
+    return np.unpackbits(raw, bitorder="little").view(bool).nonzero()[0].tolist()

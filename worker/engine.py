@@ -15,16 +15,17 @@ from kvmesh.protocol import (EngineRequest, KVEventBatch, KVSnapshot, TokenDelta
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.kv_cache import kv_cache_torch_dtype
-from kvmesh.worker.model_builder import build_model, resolve_device_dtype
+from kvmesh.worker.kv_sizing import num_kv_blocks
+from kvmesh.worker.model_builder import build_model, model_config_for, resolve_device_dtype
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.parallel_sampling import sequence_params
 from kvmesh.worker.prompt_logprobs import add_chunk, new_prompt_logprobs
 from kvmesh.worker.scheduler import Scheduler
 from kvmesh.worker.sequence import Request
+from kvmesh.worker import tensor_parallel
+from kvmesh.worker.tensor_parallel import SINGLE
 
 logger = logging.getLogger("kvmesh.engine")
-
-CPU_DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
 
 class Engine:
@@ -32,24 +33,31 @@ class Engine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress)
-        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.model_name = loaded.name
-        self.model_path = loaded.path
-        self.eos_token_ids = set(loaded.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        self.block_size = config.block_size
-        self.hash_salt = model_salt(self.model_name)
-        num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len)
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  self.device, self.dtype, config.attention_backend, config.seed,
-                                  self.max_model_len, enforce_eager=config.enforce_eager,
-                                  max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
-                                  kv_cache_dtype=config.kv_cache_dtype)
+        self.tp, self._followers = SINGLE, None
+        try:
+            if config.tensor_parallel_size > 1:
+                self._start_tensor_parallel()
+            loaded = build_model(config.model, self.device, self.dtype, config.seed, progress=progress, tp=self.tp)
+            self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+            self.model_name = loaded.name
+            self.model_path = loaded.path
+            self.eos_token_ids = set(loaded.eos_token_ids)
+            self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                     self.model_config.max_position_embeddings)
+            self.block_size = config.block_size
+            self.hash_salt = model_salt(self.model_name)
+            num_blocks = num_kv_blocks(config, self.model_config, self.device, self.kv_cache_dtype, self.tp)
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                       self.max_model_len)
+            self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
+                                      self.device, self.dtype, config.attention_backend, config.seed,
+                                      self.max_model_len, enforce_eager=config.enforce_eager,
+                                      max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
+                                      kv_cache_dtype=config.kv_cache_dtype, tp=self.tp)
+        except BaseException:
+            self._abandon_tensor_parallel()
+            raise
         self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # masked by min_tokens
         self.requests: dict[str, Request] = {}
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -61,28 +69,42 @@ class Engine:
         self._grammars = None  # worker.grammar.GrammarCompiler, made on first use
         self._awaiting_grammar: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self._next_seq = 0
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob token strings)
 
     # ---- sizing ------------------------------------------------------------------------------
 
-    def _num_kv_blocks(self) -> int:
-        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()  # 1 for an FP8 cache
-        bytes_per_block = self.model_config.kv_bytes_per_token * elem * self.config.block_size
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                # keep headroom for activations of the largest step (logits dominate)
-                activations = self.config.max_num_batched_tokens * (
-                    self.model_config.hidden_size * 16 + self.model_config.vocab_size // 4) * 4
-                budget = int(total * self.config.gpu_memory_utilization) - used - activations
-            else:
-                budget = CPU_DEFAULT_KV_BYTES
-        num_blocks = budget // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
-                             f"(one block of {self.config.block_size} tokens needs {bytes_per_block} bytes)")
-        return int(num_blocks)
+    def _start_tensor_parallel(self) -> None:
+        """Check the model splits, start ranks 1..N-1 (worker/tp_followers.py) and join them as
+        rank 0 (this process holds the scheduler and samples)."""
+        from kvmesh.worker.tp_followers import Followers
+
+        size = self.config.tensor_parallel_size
+        tensor_parallel.check_tensor_parallel(model_config_for(self.config.model), size, self.device,
+                                              self.config.torch_compile)
+        port = tensor_parallel.free_port()
+        self._followers = Followers(self.config, port, torch.get_num_threads())
+        self.device = tensor_parallel.rank_device(self.device, 0)
+        self.tp = tensor_parallel.init_group(0, size, port, self.device)
+
+    def _abandon_tensor_parallel(self) -> None:
+        """This rank failed to start: end the others (blocked in a collective) and leave the group."""
+        if self._followers is None:
+            return
+        for process in self._followers.processes:
+            process.kill()
+        self._followers.join()
+        self._followers = None
+        tensor_parallel.destroy_group()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers and leave the group (nothing to do without them)."""
+        if self._followers is None:
+            return
+        followers, self._followers = self._followers, None
+        if followers.alive():
+            self.runner.stop_followers()
+        followers.join()
+        tensor_parallel.destroy_group()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -345,6 +367,11 @@ class Engine:
         prompt_logprobs = None
         if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
             prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        token_texts = None
+        if logprob is not None or prompt_logprobs is not None:
+            token_texts = self._texts_of(token_ids if logprob is not None else [], top,
+                                         req.prompt_token_ids if prompt_logprobs is not None else None,
+                                         prompt_logprobs)
         return TokenDelta(
             request_id=req.request_id, token_ids=token_ids, text=text,
             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
@@ -355,7 +382,29 @@ class Engine:
             prompt_logprobs=prompt_logprobs, index=req.index,
             more_sequences=req.group is not None and any(not m.is_finished for m in req.group),
             stop_reason=req.stop_reason, scheduled_time=req.scheduled_time,
-            token_times=[sampled_at] * len(token_ids) if sampled_at is not None else None)
+            token_times=[sampled_at] * len(token_ids) if sampled_at is not None else None,
+            token_texts=token_texts)
+
+    def _texts_of(self, token_ids, top, prompt_ids, prompt_logprobs) -> dict[int, str]:
+        """The text of each token a logprobs answer names: the sampled tokens, their top
+        alternatives, and with prompt_logprobs the prompt's tokens and theirs. This process owns the
+        tokenizer's decoding (the output text too); the ingress only looks these up."""
+        ids = set(token_ids)
+        if top:
+            ids.update(top)
+        if prompt_logprobs is not None:
+            ids.update(prompt_ids)
+            for alternatives in prompt_logprobs.top:
+                if alternatives:
+                    ids.update(alternatives)
+        return {t: self.token_text(t) for t in ids}
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone (special tokens kept, as vLLM's logprob tokens), cached by id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # ---- state for the router ----------------------------------------------------------------
 

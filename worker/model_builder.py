@@ -12,6 +12,7 @@ from kvmesh.worker.loader import (iter_safetensors, load_hf_config, load_tokeniz
 from kvmesh.worker.model_config import ModelConfig
 from kvmesh.worker.models import model_class_for
 from kvmesh.worker.models.decoder import DecoderForCausalLM
+from kvmesh.worker.tensor_parallel import SINGLE, TensorParallel, building_with
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,14 +38,23 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, DTYPES[dtype]
 
 
+def model_config_for(model: str) -> ModelConfig:
+    """The engine's ModelConfig of a --model value, without building the model."""
+    source = resolve_model(model)
+    hf_config = load_hf_config(source)
+    arch, model_class = model_class_for(hf_config, source.name)
+    return model_class.config_from_hf(hf_config, source.name, arch)
+
+
 def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                progress: bool = False) -> LoadedModel:
+                progress: bool = False, tp: TensorParallel = SINGLE) -> LoadedModel:
+    """The model (this rank's shard of it under tensor parallelism: `tp`), its config and tokenizer."""
     source = resolve_model(model)
     hf_config = load_hf_config(source)
     arch, model_class = model_class_for(hf_config, source.name)
     config = model_class.config_from_hf(hf_config, source.name, arch)
     tokenizer = load_tokenizer_for(source)
-    with torch.device(device):
+    with torch.device(device), building_with(tp):
         net = model_class(config, config.max_position_embeddings)
     if source.preset is not None:
         init_random_weights(net, seed)
@@ -63,12 +73,20 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int 
 
 @torch.no_grad()
 def init_random_weights(net: torch.nn.Module, seed: int) -> None:
+    """Draw each parameter at the full model's shape and keep this rank's slice (the parallel
+    layers' `load_full`), so a model is the same whatever its tensor-parallel size."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in net.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        else:  # weights and biases alike
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+            continue
+        # weights and biases alike
+        full = torch.randn(getattr(param, "full_shape", param.shape), generator=generator) * 0.02
+        load_full = getattr(param, "load_full", None)
+        if load_full is None:
+            param.copy_(full)
+        else:
+            load_full(param, full)
 
 
 def eos_ids(config: ModelConfig, tokenizer, source) -> list[int]:

@@ -1,5 +1,10 @@
 """Runs the model for one SchedulerOutput: builds the step's inputs and attention metadata, runs
-the forward pass inside a forward_context, and samples. Never mutates scheduler state."""
+the forward pass inside a forward_context, and samples. Never mutates scheduler state.
+
+Under tensor parallelism (tp.size > 1) the runner of rank 0 broadcasts each step's inputs
+(step_broadcast.py) and every rank runs the same forward on them; the runners of the other ranks
+only `follow()`: they never see a SchedulerOutput, and compute logits only to take their part in
+the gather (rank 0 samples)."""
 
 import itertools
 
@@ -14,16 +19,18 @@ from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
 from kvmesh.worker.host_to_device import to_device
 from kvmesh.worker.kv_cache import DEFAULT_KV_SCALE, kv_cache_torch_dtype
 from kvmesh.worker.model_config import ModelConfig
-from kvmesh.worker.prompt_logprobs import PromptLogprobsChunk, score_prompt_tokens
+from kvmesh.worker.prompt_logprobs import PromptLogprobsChunk, logit_slices, score_prompt_tokens
 from kvmesh.worker.sampler import PendingSample, Sampler
 from kvmesh.worker.scheduler import SchedulerOutput
+from kvmesh.worker.step_broadcast import HostStep, StepChannel, StepInputs
+from kvmesh.worker.tensor_parallel import SINGLE, TensorParallel, local_heads
 
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str, seed: int,
                  max_model_len: int, enforce_eager: bool = False, max_num_seqs: int = 256,
-                 torch_compile: bool = False, kv_cache_dtype: str = "auto"):
+                 torch_compile: bool = False, tp: TensorParallel = SINGLE, kv_cache_dtype: str = "auto"):
         self.model = model
         self.config = model_config
         self.device = device
@@ -31,15 +38,19 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
+        self.tp = tp
+        self.channel = StepChannel(device) if tp.size > 1 else None
+        num_heads, num_kv_heads = local_heads(model_config.num_heads, model_config.num_kv_heads, tp.size)
         backend_cls = select_backend(attention_backend, device, block_size, model_config.head_dim, dtype,
                                      kv_cache_dtype)
         self.backend = backend_cls(
-            num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+            num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=model_config.head_dim, block_size=block_size,
             scale=model_config.head_dim ** -0.5, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         # [num_layers] x (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        # (this rank's KV heads under tensor parallelism)
+        shape = (model_config.num_layers, 2, num_blocks, block_size, num_kv_heads, model_config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         # per layer (k_scale, v_scale) of an FP8 cache: fixed for the engine's life (CUDA graphs
@@ -57,7 +68,7 @@ class ModelRunner:
                                                  kv_scales=self.kv_scales)
             self.graph_runner.capture()
 
-    def prepare(self, output: SchedulerOutput):
+    def prepare_host(self, output: SchedulerOutput) -> HostStep:
         # Vectorised with numpy: with hundreds of running sequences a per-token Python loop cost
         # more host time than the GPU's decode step (see docs/PERF.md).
         entries = output.scheduled
@@ -87,28 +98,34 @@ class ModelRunner:
             logits_indices = [int(query_start_loc[i + 1]) - 1
                               for i, e in enumerate(entries) if e.samples for _ in range(1 + len(e.forks))]
         num_decode_tokens = sum(1 for q, x in zip(query_lens, samples) if q == 1 and x)
+        return HostStep(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, query_start_loc,
+                        query_lens, seq_lens, table, logits_indices, num_decode_tokens)
+
+    def prepare(self, output: SchedulerOutput):
+        step = self.prepare_host(output)
         dev = self.device
         metadata = AttentionMetadata(
-            query_start_loc=to_device(query_start_loc, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            block_tables=to_device(table, torch.int32, dev),
-            slot_mapping=to_device(slot_mapping, torch.int64, dev),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            num_decode_tokens=num_decode_tokens)
-        inputs = (to_device(input_ids, torch.long, dev), to_device(positions, torch.long, dev))
-        return inputs, metadata, logits_indices
+            query_start_loc=to_device(step.query_start_loc, torch.int32, dev),
+            seq_lens=to_device(step.seq_lens, torch.int32, dev),
+            block_tables=to_device(step.block_table, torch.int32, dev),
+            slot_mapping=to_device(step.slot_mapping, torch.int64, dev),
+            query_lens_cpu=step.query_lens, seq_lens_cpu=step.seq_lens,
+            max_query_len=max(step.query_lens), max_seq_len=max(step.seq_lens),
+            num_decode_tokens=step.num_decode_tokens)
+        inputs = (to_device(step.input_ids, torch.long, dev), to_device(step.positions, torch.long, dev))
+        return inputs, metadata, step.logits_indices
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, previous: PendingSample | None = None) -> PendingSample | None:
         """Launch the step's forward and sampling; the sampled tokens stay on the device (with a
         copy to the host queued). Tokens still in flight from `previous` (placeholders, -1) are read
         from its device tensor, so this step can be launched before the previous one is done."""
+        if self.channel is not None:
+            return self._execute_parallel(output, previous)
         (input_ids, positions), metadata, logits_indices = self.prepare(output)
         if output.blocks_to_copy:  # copy on write of blocks shared by parallel sequences
             src, dst = (to_device(list(ids), torch.long, self.device) for ids in zip(*output.blocks_to_copy))
-            pool = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
-            pool[:, :, dst] = pool[:, :, src]  # [layers, 2, n, block, kv_heads, head_dim]; FP8 as bytes
+            self._copy_blocks(src, dst)
         pending = self._pending_inputs(output)
         if pending:
             if previous is None:
@@ -131,6 +148,60 @@ class ModelRunner:
         if len(sampling) != len(logits_indices):  # forked sequences follow their request
             sampling = [r for e in output.scheduled if e.samples for r in (e.request, *e.forks)]
         return self.sampler.sample_async(logits, sampling)
+
+    def _execute_parallel(self, output: SchedulerOutput, previous: PendingSample | None) -> PendingSample | None:
+        """Rank 0 under tensor parallelism: broadcast the step, run it as every rank does, sample."""
+        host = self.prepare_host(output)
+        host.blocks_to_copy = list(output.blocks_to_copy or ())
+        host.logit_slices = logit_slices(output.scheduled)
+        header, payload, step = self.channel.prepare(host)
+        pending = self._pending_inputs(output)
+        if pending:
+            if previous is None:
+                raise RuntimeError("a step has placeholder tokens but no previous step to read them from")
+            flat, rows = pending
+            step.input_ids[to_device(flat, torch.long, self.device)] = previous.tokens[to_device(rows, torch.long, self.device)]
+        self.channel.send(header, payload)
+        hidden = self._forward(step)
+        if step.logit_slices:  # the same compute_logits calls, in the same order, as follow()
+            self._prompt_logprobs = score_prompt_tokens(self.model, hidden, output.scheduled)
+        if not host.logits_indices:
+            return None
+        logits = self.model.compute_logits(hidden[step.logits_indices])  # [N, vocab], gathered
+        sampling = [e.request for e in output.scheduled if e.samples]
+        if len(sampling) != len(host.logits_indices):
+            sampling = [r for e in output.scheduled if e.samples for r in (e.request, *e.forks)]
+        return self.sampler.sample_async(logits, sampling)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..N-1: run every step rank 0 broadcasts, until it says stop."""
+        while (step := self.channel.receive()) is not None:
+            hidden = self._forward(step)
+            for start, end in step.logit_slices:  # prompt logprobs: rank 0 scores these rows
+                self.model.compute_logits(hidden[start:end])
+            if step.logits_indices.numel():
+                self.model.compute_logits(hidden[step.logits_indices])
+
+    def stop_followers(self) -> None:
+        if self.channel is not None:
+            self.channel.send_stop()
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """Copy KV blocks, then the model's forward (a CUDA graph when one fits): [T, hidden]."""
+        if step.copy_src.numel():
+            self._copy_blocks(step.copy_src, step.copy_dst)
+        if self.graph_runner is not None and self.graph_runner.can_run(step.metadata):
+            return self.graph_runner.run(step.input_ids, step.positions, step.metadata)
+        self.backend.plan(step.metadata)
+        with forward_context(ForwardContext(step.metadata, self.backend, self.kv_caches, self.kv_scales)):
+            return self.model(step.input_ids, step.positions)
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy KV blocks src -> dst in every layer; an FP8 pool as bytes (indexed copies of float8
+        dtypes are not implemented on every device and torch version)."""
+        pool = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+        pool[:, :, dst] = pool[:, :, src]  # [layers, 2, n, block, kv_heads, head_dim]
 
     def take_prompt_logprobs(self) -> list[PromptLogprobsChunk]:
         """The prompt tokens scored by the last execute (for requests with prompt_logprobs)."""

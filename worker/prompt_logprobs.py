@@ -61,6 +61,14 @@ def rows_to_score(scheduled) -> list[tuple[object, int, int, int]]:
     return rows
 
 
+def logit_slices(scheduled) -> list[tuple[int, int]]:
+    """The row ranges of the step's hidden states score_prompt_tokens computes logits for, in its
+    order (the followers of a tensor-parallel group join each of those gathers)."""
+    return [(flat_start + lo, flat_start + min(count, lo + ROWS_PER_SLICE))
+            for _, flat_start, _, count in rows_to_score(scheduled)
+            for lo in range(0, count, ROWS_PER_SLICE)]
+
+
 @torch.no_grad()
 def score_prompt_tokens(model, hidden: torch.Tensor, scheduled) -> list[PromptLogprobsChunk]:
     """hidden: [num_tokens, hidden] of the step whose entries are `scheduled` (before the

@@ -19,6 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the layers' work outside attention")
     p.add_argument("--prompt-len", type=int, default=1024, help="TTFT prompt length (default 1024)")
@@ -36,7 +37,8 @@ def run(args) -> int:
     block_size = args.block_size or (256 if args.attention_backend == "flash_attn" else 16)
     llm = LLM(model=args.model, device=args.device, attention_backend=args.attention_backend,
               block_size=block_size, enforce_eager=args.enforce_eager, max_num_seqs=8,
-              torch_compile=args.torch_compile, kv_cache_dtype=args.kv_cache_dtype,
+              torch_compile=args.torch_compile, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_dtype=args.kv_cache_dtype,
               max_num_batched_tokens=max(2048, args.prompt_len),
               max_model_len=max(4096, args.prompt_len + 8, args.decode_prompt_len + args.output_len + 8))
     vocab = llm.engine.model_config.vocab_size

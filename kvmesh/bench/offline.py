@@ -49,6 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default 4096, or what the longest request needs when that is more")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs the model is split over (the floor stays one GPU's)")
     p.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the layers' work outside attention (compiled before the timed run)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
@@ -72,7 +74,8 @@ def engine_args(args) -> dict:
                 max_model_len=max_model_len, enforce_eager=args.enforce_eager,
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 torch_compile=getattr(args, "torch_compile", False),
-                async_scheduling=getattr(args, "async_scheduling", None))
+                async_scheduling=getattr(args, "async_scheduling", None),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def run(args) -> int:
@@ -135,6 +138,8 @@ def run(args) -> int:
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
         "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_blocks": engine.num_kv_blocks,
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
+        # the floor below is one GPU's, whatever the tensor-parallel size
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
         "structured_outputs": "none" if structured is None else "json",
         # with ignore_eos only a complete grammar ends a request before its max_tokens
         "grammar_completed": sum(o.finish_reason == "stop" for o in outputs),

@@ -8,11 +8,12 @@ random; with a temperature > 0 the first choice is sampled from softmax(-cost / 
 prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
 
-The choice costs O(prompt runs + holders of its prefix), not O(workers): only the eligible holders
-(and the worker with the prefix in flight) are scored exactly; a worker holding none of the prefix
-costs the new prefill plus its load alone, so the best of those is the first bucket of a LoadOrder
-the WorkerSet keeps up to date (kvmesh.router.load_order), whose cost is computed exactly too. Ties
-for the best are broken uniformly over every tied worker, as a full ranking's would be. The rest of a
+The choice costs O(prompt runs + holder levels), not O(workers) nor O(holders): the index answers
+with one mask of workers per cached length (KVIndex.levels); the members of a level, like the
+workers holding none of the prefix, differ only in load, so the cheapest of each are the first
+buckets of a LoadOrder the WorkerSet keeps up to date (kvmesh.router.load_order) that hold one of
+them, and only those groups (and the worker with the prefix in flight) are costed exactly. Ties for
+the best are broken uniformly over every tied worker, as a full ranking's would be. The rest of a
 full ranking (Serve's fallbacks: `rank`, not `top(k=1)`), a softmax temperature, or a plain list of
 workers instead of a WorkerSet, take the vectorized pass over all workers.
 """
@@ -21,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.router.cost import CostWeights, load_cost, worker_costs
-from kvmesh.router.index import KVIndex
+from kvmesh.router.cost import CostWeights, load_cost, worker_cost, worker_costs
+from kvmesh.router.index import KVIndex, bit_positions
 from kvmesh.router.load_order import LoadOrder
 from kvmesh.router.pending import PendingPrefixes
 from kvmesh.router.policies.base import Policy, RouteRequest, order_by_score, rank_by_score, spill_over
@@ -31,9 +32,6 @@ from kvmesh.router.workers import LoadColumns, WorkerSet, WorkerState, columns_o
 # Load-order buckets this close in cost (tokens) are all costed exactly: the order's sum and the cost's
 # differ by float rounding, so a bucket a rounding below another may tie with it in the exact cost.
 TIE_SLACK = 1e-6
-# When more than this fraction of the eligible workers hold part of the prompt (a system prompt every
-# worker caches), scoring holders one by one in Python costs more than the vectorized pass over all.
-FULL_PASS_HOLDERS = 0.125
 
 
 class KVEventsPolicy(Policy):
@@ -104,77 +102,150 @@ class KVEventsPolicy(Policy):
         else:
             ranked, overlaps = self._rank_from_choice(request, workers, k)
         if ranked and self.pending is not None:  # the first is the one used (Policy's contract)
-            self.pending.record(request.block_hashes, overlaps.get(ranked[0], 0), ranked[0])
+            first_blocks = overlaps if isinstance(overlaps, int) else overlaps.get(ranked[0], 0)
+            self.pending.record(request.block_hashes, first_blocks, ranked[0])
         return ranked if k is None else ranked[:k]
 
     def _rank_from_choice(self, request: RouteRequest, workers: WorkerSet,
-                          k: int | None) -> tuple[list[str], dict[str, int]]:
-        """The choice without a pass over all workers; then, unless only it is asked for, the others
-        by ascending cost and the spill-over."""
-        if self._watched is not workers:
-            self._order = LoadOrder(lambda key: load_cost(key, self.weights))
-            workers.watch(self._order)
-            self._watched = workers
+                          k: int | None) -> tuple[list[str], dict[str, int] | int]:
+        """The choice without a pass over all workers, with its cached blocks (k == 1); else the
+        others too, by ascending cost, and the spill-over, with every worker's cached blocks."""
+        first, first_blocks = self._choose(request, workers)
         cols = workers.columns()
+        if k == 1:
+            if first is None:
+                ranked = spill_over(cols)[:1]
+                return ranked, (self._blocks_on(request, ranked[0]) if ranked else 0)
+            return [first], first_blocks
         held, overlaps = self._holdings(request, cols)
-        if len(held) > FULL_PASS_HOLDERS * len(self._order):
-            return self._rank(request, workers, (held, overlaps))
-        first = self._choose(request, cols, held, overlaps)
         if first is None:
             return spill_over(cols), overlaps
-        if k == 1:
-            return [cols.ids[first]], overlaps
+        first_row = cols.row(first)
         cost = self._costs(request, cols, held, overlaps)
         order = np.flatnonzero(cols.eligible)
         order = order[np.argsort(cost[order])]
-        order = np.concatenate(([first], order[order != first]))
+        order = np.concatenate(([first_row], order[order != first_row]))
         return cols.ids_at(order) + spill_over(cols, cols.eligible), overlaps
 
-    def _choose(self, request: RouteRequest, cols: LoadColumns, held: dict[int, float],
-                overlaps: dict[str, int]) -> int | None:
-        """The row chosen (None when no worker is eligible), as the first of a full
-        ranking: the cheapest eligible worker (a tie broken uniformly at random), or the holder that
-        stays. Scores the eligible holders, the worker with the prefix in flight, and one member of
-        each cheapest bucket of the load order (holders of none of the prefix)."""
-        num_prompt_tokens = request.num_prompt_tokens
-        in_flight = self._in_flight(request, cols, overlaps)
-        eligible = cols.eligible
-        scored = {row: tokens for row, tokens in held.items() if eligible[row]}
-        if in_flight is not None and eligible[in_flight[0]]:
-            scored.setdefault(in_flight[0], 0.0)
-        excluded = [cols.ids[row] for row in scored]
-        buckets = self._order.cheapest(excluded, TIE_SLACK)
-        rows = list(scored) + [cols.row(bucket.members[0]) for bucket, _ in buckets]
-        if not rows:
-            return None
-        cached = np.zeros(len(rows), dtype=np.float64)  # 0 for the buckets' members
-        cached[:len(scored)] = list(scored.values())
-        cost = worker_costs(num_prompt_tokens, cached, cols, self.weights,
-                            np.array(rows, dtype=np.intp)).tolist()
-        if in_flight is not None and in_flight[0] in scored:
-            cost[list(scored).index(in_flight[0])] -= self.weights.in_flight * in_flight[1]
-        best_cost = min(cost)
-        tied = [row for row, c in zip(rows, cost[:len(scored)]) if c == best_cost]
-        tied_buckets = [(bucket, n) for (bucket, n), c in zip(buckets, cost[len(scored):]) if c == best_cost]
-        num_tied = len(tied) + sum(n for _, n in tied_buckets)
-        pick = int(self._rng.integers(num_tied)) if num_tied > 1 else 0
-        best = tied[pick] if pick < len(tied) else self._bucket_member(tied_buckets, pick - len(tied),
-                                                                      excluded, cols)
-        if held and self.weights.stay_margin > 0:
-            costs = dict(zip(rows, cost))
-            costs.setdefault(best, best_cost)
-            stay = self._holder_that_stays(costs, held, eligible, best, num_prompt_tokens)
-            if stay is not None:
-                best = stay
-        return best
+    def _blocks_on(self, request: RouteRequest, worker_id: str) -> int:
+        return self.index.overlap(request.block_hashes, [worker_id]).get(worker_id, 0)
 
-    def _bucket_member(self, buckets: list, index: int, excluded: list[str], cols) -> int:
-        """The row of the `index`-th worker (outside `excluded`) of `buckets`, [(bucket, count)]."""
-        for bucket, count in buckets:
-            if index < count:
-                return cols.row(self._order.pick(bucket, index, excluded))
-            index -= count
-        raise IndexError(f"{index} past the tied buckets' members")
+    def _choose(self, request: RouteRequest, workers: WorkerSet) -> tuple[str | None, int]:
+        """(the worker chosen, the prompt's blocks the index shows on it); None when no worker is
+        eligible. The first of a full ranking: the cheapest eligible worker (a tie broken uniformly
+        at random over every tied worker, in the order holders by (blocks, slot), the worker with the
+        prefix in flight, then the load order's), or the holder that stays (hysteresis).
+
+        The index answers with holder levels (a mask of workers per cached length, KVIndex.levels);
+        the members of a level differ only in load, so its cheapest are the first of the load
+        order's buckets holding one (LoadOrder.cheapest_in), as are those of the workers holding none
+        of the prefix: a handful of groups are costed, whatever the number of holders."""
+        order = self._watch(workers)
+        weights, block_size = self.weights, self.block_size
+        num_prompt_tokens = request.num_prompt_tokens
+        limit = max(num_prompt_tokens - 1, 0)  # at least one prompt token is always computed
+        levels = self.index.levels(request.block_hashes)
+        eligible = order.mask
+        in_flight = self._in_flight_of(request, levels, order, limit)  # (bit, key, credit) or None
+        in_flight_bit = in_flight[0] if in_flight else 0
+        holders = 0
+        masks = []
+        for _, mask in levels:
+            holders |= mask
+            masks.append(mask & eligible & ~in_flight_bit)
+        masks.append(eligible & ~holders & ~in_flight_bit)  # the workers holding none of the prefix
+        found = order.cheapest_in(masks, TIE_SLACK)
+        tokens = [min(num_blocks * block_size, limit) for num_blocks, _ in levels]
+        # per level, [(cost, member bits)]; then the in-flight worker alone when it holds nothing
+        costed = [[(worker_cost(num_prompt_tokens, tokens[i], g.key, weights), g.mask) for g in groups]
+                  for i, groups in enumerate(found[:-1])]
+        lone = []
+        if in_flight is not None:
+            bit, key, credit = in_flight
+            cached = tokens[-1] if levels else 0
+            entry = (worker_cost(num_prompt_tokens, cached, key, weights) - credit, bit)
+            (costed[-1] if levels else lone).append(entry)
+        others = [(worker_cost(num_prompt_tokens, 0, g.key, weights), g) for g in found[-1]]
+        costs = [c for level in costed for c, _ in level] + [c for c, _ in lone] + [c for c, _ in others]
+        if not costs:
+            return None, 0
+        best_cost = min(costs)
+        tied_levels = [_tied(level, best_cost) for level in costed] + [_tied(lone, best_cost)]
+        tied_others = [g for c, g in others if c == best_cost]
+        num_tied = sum(m.bit_count() for m in tied_levels) + sum(g.mask.bit_count() for g in tied_others)
+        pick = int(self._rng.integers(num_tied)) if num_tied > 1 else 0
+        best, best_level = None, None
+        for i, tied in enumerate(tied_levels):
+            count = tied.bit_count()
+            if pick < count:
+                best, best_level = order.worker_at(bit_positions(tied)[pick]), i
+                break
+            pick -= count
+        else:
+            for group in tied_others:
+                count = group.mask.bit_count()
+                if pick < count:
+                    best = order.pick_in(group, pick)
+                    break
+                pick -= count
+        if best_level == len(levels):  # the in-flight worker, holding nothing
+            best_level = None
+        if levels and weights.stay_margin > 0:
+            stay = self._level_that_stays(costed, tokens, best_level, best_cost, num_prompt_tokens)
+            if stay is not None:
+                stay_level, stay_bit = stay
+                best, best_level = order.worker_at(stay_bit.bit_length() - 1), stay_level
+        return best, (0 if best_level is None else levels[best_level][0])
+
+    def _watch(self, workers: WorkerSet) -> LoadOrder:
+        if self._watched is not workers:
+            self._order = LoadOrder(lambda key: load_cost(key, self.weights), slot_of=self.index.slot)
+            workers.watch(self._order)
+            self._watched = workers
+        return self._order
+
+    def _in_flight_of(self, request: RouteRequest, levels: list[tuple[int, int]], order: LoadOrder,
+                      limit: int) -> tuple[int, object, float] | None:
+        """_in_flight from the levels: (the worker's bit, its load key, the credit), when it is
+        eligible and holds the longest indexed prefix (or nobody holds any)."""
+        if self.pending is None:
+            return None
+        longest = levels[-1][0] if levels else 0
+        wid, extra = self.pending.continuation(request.block_hashes, longest)
+        if wid is None:
+            return None
+        key = order.key_of(wid)
+        if key is None:
+            return None
+        bit = order.bit_of(wid)
+        if levels and not levels[-1][1] & bit:
+            return None
+        tokens = min((longest + extra) * self.block_size, limit) - min(longest * self.block_size, limit)
+        return (bit, key, self.weights.in_flight * tokens) if tokens > 0 else None
+
+    def _level_that_stays(self, costed: list[list[tuple[float, int]]], tokens: list[int],
+                          best_level: int | None, best_cost: float,
+                          num_prompt_tokens: int) -> tuple[int, int] | None:
+        """Hysteresis (_holder_that_stays) on levels: (level, bit) of the cheapest eligible holder of
+        the longest cached prefix (the first by level, then slot, among equal costs), or None."""
+        top = [i for i, level in enumerate(costed) if level]
+        if not top:
+            return None
+        longest = tokens[top[-1]]
+        held = 0 if best_level is None else tokens[best_level]
+        if held >= longest or longest < self.weights.stay_min_cached * num_prompt_tokens:
+            return None
+        stay = None
+        for i in top:
+            if tokens[i] != longest:
+                continue
+            level_cost = min(c for c, _ in costed[i])
+            if stay is None or level_cost < stay[0]:
+                stay = (level_cost, i, _tied(costed[i], level_cost))
+        stay_cost, stay_level, members = stay
+        if stay_cost - best_cost > self.weights.stay_margin:
+            return None
+        return stay_level, members & -members  # the lowest slot
 
     def _costs(self, request: RouteRequest, cols, held: dict[int, float],
                overlaps: dict[str, int]) -> np.ndarray:
@@ -240,3 +311,12 @@ class KVEventsPolicy(Policy):
         cost = cost.copy()
         cost[pick] = -np.inf  # first; the rest keep their cost order
         return cost
+
+
+def _tied(costed: list[tuple[float, int]], cost: float) -> int:
+    """The members (bits) of `costed`, [(cost, bits)], whose cost is `cost`."""
+    members = 0
+    for c, bits in costed:
+        if c == cost:
+            members |= bits
+    return members

@@ -11,8 +11,8 @@ at a time); a row per run: decision wall p50 / p99 / max and CPU p50 / p99 (the 
 time: a busy machine does not inflate it), hit rate, TTFT p99, and the machine's 1-minute load
 average as the run ended. Runs side by side share the machine's caches: use --jobs 1 for figures.
 
---profile times the phases of every decision of one run (index walk, holders, in-flight lookup, load
-order, cost, hysteresis, pending record) and the work between decisions (event batches, load
+--profile times the phases of every decision of one run (index walk, in-flight lookup, load order,
+cost, hysteresis, pending record; phases of older trees where they exist) and the work between decisions (event batches, load
 updates) by wrapping those functions with a clock: each wrapper adds ~0.2 us to what it wraps, so
 the phases are read as shares, the run's own figures without --profile.
 """
@@ -35,15 +35,22 @@ from kvmesh.router.gc_tuning import tune_gc_for_routing
 # attributes are skipped, so the same profile runs on an older tree.
 PHASES = [
     ("decision (Router.route_request)", "kvmesh.router.router", "Router.route_request"),
+    ("choice (KVEventsPolicy._choose)", "kvmesh.router.policies.kv_events", "KVEventsPolicy._choose"),
+    ("index walk (KVIndex.levels)", "kvmesh.router.index", "KVIndex.levels"),
     ("index walk (KVIndex.overlap)", "kvmesh.router.index", "KVIndex.overlap"),
     ("holders -> rows, incl. walk", "kvmesh.router.policies.kv_events", "KVEventsPolicy._holdings"),
     ("in-flight lookup", "kvmesh.router.policies.kv_events", "KVEventsPolicy._in_flight"),
+    ("in-flight lookup (levels)", "kvmesh.router.policies.kv_events", "KVEventsPolicy._in_flight_of"),
     ("load order (LoadOrder.cheapest)", "kvmesh.router.load_order", "LoadOrder.cheapest"),
+    ("load order (LoadOrder.cheapest_in)", "kvmesh.router.load_order", "LoadOrder.cheapest_in"),
     ("cost (worker_costs)", "kvmesh.router.policies.kv_events", "worker_costs"),
+    ("cost of a group (worker_cost)", "kvmesh.router.policies.kv_events", "worker_cost"),
+    ("tied member (LoadOrder.pick_in)", "kvmesh.router.load_order", "LoadOrder.pick_in"),
     ("sort + tie (order_by_score)", "kvmesh.router.policies.kv_events", "order_by_score"),
     ("ids of the ranking (ids_at)", "kvmesh.router.workers", "LoadColumns.ids_at"),
     ("spill-over", "kvmesh.router.policies.kv_events", "spill_over"),
     ("hysteresis (_holder_that_stays)", "kvmesh.router.policies.kv_events", "KVEventsPolicy._holder_that_stays"),
+    ("hysteresis (_level_that_stays)", "kvmesh.router.policies.kv_events", "KVEventsPolicy._level_that_stays"),
     ("pending record", "kvmesh.router.pending", "PendingPrefixes.record"),
     ("between: event batches (on_events)", "kvmesh.router.router", "Router.on_events"),
     ("between: load updates (update_load)", "kvmesh.router.router", "Router.update_load"),

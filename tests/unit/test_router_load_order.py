@@ -10,8 +10,8 @@ from kvmesh.hashing import block_hashes
 from kvmesh.protocol import BlockStored, KVEventBatch, WorkerLoad
 from kvmesh.router import CostWeights, KVIndex, RouteRequest, WorkerSet, make_policy
 from kvmesh.router.cost import load_cost
+from kvmesh.router import load_order
 from kvmesh.router.load_order import LoadKey, LoadOrder
-from kvmesh.router.policies import kv_events
 
 B = 16
 WEIGHTS = CostWeights()
@@ -89,13 +89,13 @@ def _cluster(rng: random.Random, num_workers: int, chains: list[list[int]]):
     return index
 
 
-@pytest.mark.parametrize("full_pass_holders", [1.0, 0.125])  # holders + load order always / as tuned
-def test_kv_events_choice_equals_the_full_ranking_on_random_states(monkeypatch, full_pass_holders):
+@pytest.mark.parametrize("list_members", [0, 16])  # a mask's groups never listed / as tuned
+def test_kv_events_choice_equals_the_full_ranking_on_random_states(monkeypatch, list_members):
     """Two policies on one index: one chooses from a WorkerSet (holders + load order), the other ranks
     a plain list of the same workers (every worker costed); with loads drawn so that no two costs tie,
     every choice is the same, hysteresis and in-flight credit included (their pending records then
     evolve alike)."""
-    monkeypatch.setattr(kv_events, "FULL_PASS_HOLDERS", full_pass_holders)
+    monkeypatch.setattr(load_order, "LIST_MEMBERS", list_members)
     rng = random.Random(3)
     chains = [block_hashes([c] + list(range(40 * B)), B) for c in range(6)]
     index = _cluster(rng, 64, chains)
@@ -117,8 +117,7 @@ def test_kv_events_choice_equals_the_full_ranking_on_random_states(monkeypatch, 
         assert fast.pending._records == full.pending._records
 
 
-def test_kv_events_full_ranking_from_a_worker_set_is_the_list_ranking(monkeypatch):
-    monkeypatch.setattr(kv_events, "FULL_PASS_HOLDERS", 1.0)
+def test_kv_events_full_ranking_from_a_worker_set_is_the_list_ranking():
     rng = random.Random(4)
     chains = [block_hashes([c] + list(range(20 * B)), B) for c in range(3)]
     index = _cluster(rng, 32, chains)
@@ -133,8 +132,7 @@ def test_kv_events_full_ranking_from_a_worker_set_is_the_list_ranking(monkeypatc
         assert fast.top(request, ws, None) == full.rank(request, list(ws))
 
 
-def test_kv_events_breaks_a_tie_over_every_tied_worker_holders_and_idle_alike(monkeypatch):
-    monkeypatch.setattr(kv_events, "FULL_PASS_HOLDERS", 1.0)
+def test_kv_events_breaks_a_tie_over_every_tied_worker_holders_and_idle_alike():
     index = KVIndex()
     chain = block_hashes(list(range(4 * B)), B)
     for wid in ("w1", "w5"):  # hold 2 of the 4 blocks: cheaper than the idle workers

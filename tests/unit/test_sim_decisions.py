@@ -23,7 +23,7 @@ def test_profile_times_every_decision_and_the_work_between():
     result = profile(8, "multiturn", 1, 150, 0.7)
     phases = result["phases"]
     assert phases["decision (Router.route_request)"]["calls"] == 150
-    assert phases["index walk (KVIndex.overlap)"]["per_decision"] == 1.0
+    assert phases["index walk (KVIndex.levels)"]["per_decision"] == 1.0
     assert phases["between: load updates (update_load)"]["calls"] > 150
 
 

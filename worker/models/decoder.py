@@ -2,6 +2,10 @@
 Qwen2 (q/k/v biases, qwen2.py) and Qwen3 (per-head RMSNorm on q and k before RoPE, qwen3.py). Parameter
 names follow Hugging Face's except the fused projections (qkv_proj, gate_up_proj), which the
 loader packs from q/k/v_proj and gate/up_proj.
+
+The linear layers, embedding and LM head are the tensor-parallel ones (layers/parallel.py): built
+inside `tensor_parallel.building_with(tp)` each rank holds its heads and its slice of the MLP and
+vocabulary; built outside it they are the plain layers.
 """
 
 import torch
@@ -11,6 +15,8 @@ from torch import nn
 from kvmesh.worker.attention.base import get_forward_context
 from kvmesh.worker.layers.kernels import use_kernels
 from kvmesh.worker.layers.norm import RMSNorm
+from kvmesh.worker.layers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                           RowParallelLinear, VocabParallelEmbedding)
 from kvmesh.worker.layers.rotary import RotaryEmbedding
 from kvmesh.worker.model_config import ModelConfig
 
@@ -19,13 +25,15 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -56,9 +64,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.intermediate_size = self.gate_up_proj.local_sizes[0]  # this rank's
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_kernels(x):  # one fused launch (kvmesh.kernels.silu_and_mul)
@@ -99,7 +107,7 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
@@ -128,7 +136,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -162,7 +170,10 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"model: unexpected weight {name!r} in the checkpoint")
             param = params[target]
-            if shard is None:
+            weight_loader = getattr(param, "weight_loader", None)
+            if weight_loader is not None:  # a parallel layer's: copies this rank's slice
+                weight_loader(param, tensor, shard, name)
+            elif shard is None:
                 _copy(param, tensor, name)
             else:
                 layer_idx = int(name.split(".layers.")[1].split(".")[0])
@@ -184,6 +195,8 @@ class DecoderForCausalLM(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our weights in Hugging Face naming (unpacked): for reference models in tests and for saving."""
+        if self.model.embed_tokens.tp.size > 1:
+            raise ValueError("hf_state_dict: this model is one rank's shard (tensor_parallel_size > 1)")
         out = {}
         for name, param in self.named_parameters():
             fused = name.split(".")[-2]
