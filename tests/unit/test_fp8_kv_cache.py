@@ -153,3 +153,18 @@ def test_the_config_and_the_registry_name_the_same_kv_cache_dtypes():
 
     registry_names = {name for spec in BACKENDS.values() for name in spec.kv_cache_dtypes}
     assert {kv_cache_dtype_name(name) for name in KV_CACHE_DTYPES} == registry_names == {"auto", "fp8_e4m3"}
+
+
+def test_tensor_parallel_ranks_hold_fp8_pools_and_give_rank_1s_tokens():
+    # each rank stores its KV heads in FP8; with one scale per layer the split changes no value
+    prompts = [[(7 * j + i) % 500 for j in range(30)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    outs = {}
+    for size in (1, 2):
+        with LLM("random:tiny-qwen3", device="cpu", kv_cache_dtype="fp8", tensor_parallel_size=size,
+                 kv_cache_memory_bytes=1 << 20) as llm:
+            assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+            outs[size] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for one, two in zip(outs[1], outs[2]):
+        assert two.token_ids == one.token_ids
+        assert max(abs(a - b) for a, b in zip(one.logprobs, two.logprobs)) < 1e-4
