@@ -6,6 +6,11 @@ Splitting the context keeps the GPU busy when there are few sequences with long 
 small kernel merges the splits by their log-sum-exp. The number of splits is fixed at launch and
 each split covers ceil(context / splits) keys computed on the device, so one launch configuration
 serves any context length (what a CUDA graph needs).
+
+An FP8 (float8_e4m3fn) cache is read as is and cast to the query's dtype (exact: every e4m3 value
+is a bf16 / fp16 value); its per-layer scales are applied outside the dot products, k_scale folded
+into the softmax scale and v_scale on the output, which is the same arithmetic as multiplying
+every element.
 """
 
 import torch
@@ -17,11 +22,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, seq_lens, block_tables,
-                         scale_log2,
+                         scale_log2, v_scale,
                          stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                          stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_KV: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -49,6 +54,10 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, s
         slot_off = block_ids * stride_cache_block + (offs_n % PAGE) * stride_cache_slot + kv_base
         k = tl.load(k_cache + slot_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)  # [D, N]
         v = tl.load(v_cache + slot_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)  # [N, D]
+        if FP8_KV:  # e4m3 -> float32 -> q's dtype: exact (every e4m3 value is a bf16 / fp16 value)
+            k = k.to(tl.float32).to(q.dtype)
+        if FP8_KV:
+            v = v.to(tl.float32).to(q.dtype)
         s = tl.dot(q, k) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -60,11 +69,15 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, s
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
+        if FP8_KV:
+            out = out * v_scale
         tl.store(out_ptr + seq * stride_o_token + heads[:, None] * stride_o_head + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         empty = l_i == 0.0  # a split past the end of a short context
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        if FP8_KV:  # the merge is a weighted mean of the splits: scaling each scales the result
+            out = out * v_scale
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [S, H, splits] flattened
         tl.store(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
@@ -96,9 +109,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int) -> None:
-    """q, out: [S, H, D] (one token per sequence); caches [num_blocks, page, Hkv, D];
-    seq_lens: [S] context lengths including the new token (already stored); block_tables: [S, max_blocks]."""
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_splits: int,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """q, out: [S, H, D] (one token per sequence); caches [num_blocks, page, Hkv, D] in q's dtype or
+    float8_e4m3fn (then k_scale / v_scale dequantize them); seq_lens: [S] context lengths including
+    the new token (already stored); block_tables: [S, max_blocks]."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return
@@ -110,12 +125,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse = torch.empty(num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    fp8 = k_cache.dtype == torch.float8_e4m3fn  # else the scales are unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables, scale * LOG2E,
+        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables,
+        scale * (k_scale if fp8 else 1.0) * LOG2E, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=page, HEAD_DIM=head_dim,
-        BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        BLOCK_N=64, NUM_SPLITS=num_splits, FP8_KV=fp8, num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
+# vLLM's names: "auto" stores K/V in the model dtype; "fp8" is an alias of "fp8_e4m3"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = (None, "fp8")
 
 
@@ -25,6 +27,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # "auto": the model dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with a per-layer K and V scale
+    # (1.0, vLLM's default without calibrated scales), half the bytes of bf16 per token
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
     # torch.compile the layers' work outside attention (worker/compile.py); compiles on first use
     torch_compile: bool = False
@@ -60,6 +65,8 @@ class EngineConfig:
             fail("gpu_memory_utilization", "in (0, 1]")
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}")
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "an integer >= 1")
         if self.quantization not in QUANTIZATIONS:

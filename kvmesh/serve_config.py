@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, EngineConfig
+from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 from kvmesh.router.policies import POLICY_NAMES as ROUTING_POLICIES
 AUTOSCALING_POLICIES = ("ongoing_requests", "queue", "kv_pressure", "ttft_slo", "itl_slo")
 AGGREGATION_FUNCTIONS = ("mean", "max", "min")
@@ -39,6 +39,8 @@ class EngineSection(_Strict):
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of shared prompt prefixes.")
     attention_backend: Literal[ATTENTION_BACKENDS] = Field(  # type: ignore[valid-type]
         "auto", description="Attention kernels: auto, torch, triton, flashinfer or flash_attn.")
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
+        "auto", description="KV cache element type: auto (the model dtype), or fp8 / fp8_e4m3 (float8 e4m3 with a per-layer K and V scale of 1.0: half the bytes per token of bf16, so twice the blocks; backends torch, triton and flashinfer, not flash_attn).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs for decode.")
     torch_compile: bool = Field(False, description="torch.compile each layer's work outside attention (fuses residual adds into the norms, q/k norm into rotary); compiles when the worker starts.")
     seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
@@ -172,8 +174,9 @@ class ServeConfig(_Strict):
             max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
             gpu_memory_utilization=e.gpu_memory_utilization,
             enable_prefix_caching=e.enable_prefix_caching, attention_backend=e.attention_backend,
-            enforce_eager=e.enforce_eager, torch_compile=e.torch_compile, seed=e.seed, worker_id=worker_id,
-            tensor_parallel_size=e.tensor_parallel_size, quantization=e.quantization)
+            kv_cache_dtype=e.kv_cache_dtype, enforce_eager=e.enforce_eager, torch_compile=e.torch_compile,
+            seed=e.seed, worker_id=worker_id, tensor_parallel_size=e.tensor_parallel_size,
+            quantization=e.quantization)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

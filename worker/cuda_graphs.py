@@ -23,10 +23,11 @@ def batch_size_ladder(max_batch_size: int) -> list[int]:
 
 class DecodeCudaGraphs:
     def __init__(self, model, backend, kv_caches, max_batch_size: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, kv_scales=None):
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # per layer (k_scale, v_scale), captured as constants
         self.max_model_len = max_model_len
         self.batch_sizes = batch_size_ladder(max_batch_size)
         n = self.batch_sizes[-1]
@@ -60,7 +61,7 @@ class DecodeCudaGraphs:
         for batch in reversed(self.batch_sizes):
             metadata = self._metadata(batch)
             self.backend.plan(metadata)
-            context = ForwardContext(metadata, self.backend, self.kv_caches)
+            context = ForwardContext(metadata, self.backend, self.kv_caches, self.kv_scales)
             with forward_context(context):  # warm-up: kernel compilation and autotuning happen outside the graph
                 self.model(self.input_ids[:batch], self.positions[:batch])
             torch.cuda.synchronize()

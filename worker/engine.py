@@ -14,6 +14,7 @@ from kvmesh.protocol import (EngineRequest, KVEventBatch, KVSnapshot, TokenDelta
                              check_prompt_size)
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
+from kvmesh.worker.kv_cache import kv_cache_torch_dtype
 from kvmesh.worker.kv_sizing import num_kv_blocks
 from kvmesh.worker.model_builder import build_model, model_config_for, resolve_device_dtype
 from kvmesh.worker.model_runner import ModelRunner
@@ -31,6 +32,7 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: bool = False):
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.tp, self._followers = SINGLE, None
         try:
             if config.tensor_parallel_size > 1:
@@ -45,7 +47,7 @@ class Engine:
                                      self.model_config.max_position_embeddings)
             self.block_size = config.block_size
             self.hash_salt = model_salt(self.model_name)
-            num_blocks = num_kv_blocks(config, self.model_config, self.device, self.dtype, self.tp)
+            num_blocks = num_kv_blocks(config, self.model_config, self.device, self.kv_cache_dtype, self.tp)
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                        self.max_model_len)
@@ -53,7 +55,7 @@ class Engine:
                                       self.device, self.dtype, config.attention_backend, config.seed,
                                       self.max_model_len, enforce_eager=config.enforce_eager,
                                       max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
-                                      tp=self.tp)
+                                      kv_cache_dtype=config.kv_cache_dtype, tp=self.tp)
         except BaseException:
             self._abandon_tensor_parallel()
             raise

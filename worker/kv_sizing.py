@@ -10,10 +10,11 @@ CPU_DEFAULT_KV_BYTES = 256 * 1024 * 1024
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                  dtype: torch.dtype, tp: TensorParallel) -> int:
+                  kv_cache_dtype: torch.dtype, tp: TensorParallel) -> int:
     """Blocks that fit this rank's budget (its KV heads only), the least over the ranks: rank 0's
-    block ids must exist in every rank's pool."""
-    elem = torch.tensor([], dtype=dtype).element_size()
+    block ids must exist in every rank's pool. kv_cache_dtype: the pool's element type (1 byte for
+    an FP8 cache: twice the blocks of bf16)."""
+    elem = torch.tensor([], dtype=kv_cache_dtype).element_size()
     _, num_kv_heads = local_heads(model_config.num_heads, model_config.num_kv_heads, tp.size)
     bytes_per_token = 2 * model_config.num_layers * num_kv_heads * model_config.head_dim
     bytes_per_block = bytes_per_token * elem * config.block_size

@@ -17,6 +17,7 @@ from kvmesh.worker.attention.base import AttentionMetadata, ForwardContext, forw
 from kvmesh.worker.compile import compile_layers
 from kvmesh.worker.cuda_graphs import DecodeCudaGraphs
 from kvmesh.worker.host_to_device import to_device
+from kvmesh.worker.kv_cache import DEFAULT_KV_SCALE, kv_cache_torch_dtype
 from kvmesh.worker.model_config import ModelConfig
 from kvmesh.worker.prompt_logprobs import PromptLogprobsChunk, logit_slices, score_prompt_tokens
 from kvmesh.worker.sampler import PendingSample, Sampler
@@ -29,7 +30,7 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str, seed: int,
                  max_model_len: int, enforce_eager: bool = False, max_num_seqs: int = 256,
-                 torch_compile: bool = False, tp: TensorParallel = SINGLE):
+                 torch_compile: bool = False, tp: TensorParallel = SINGLE, kv_cache_dtype: str = "auto"):
         self.model = model
         self.config = model_config
         self.device = device
@@ -40,16 +41,21 @@ class ModelRunner:
         self.tp = tp
         self.channel = StepChannel(device) if tp.size > 1 else None
         num_heads, num_kv_heads = local_heads(model_config.num_heads, model_config.num_kv_heads, tp.size)
-        backend_cls = select_backend(attention_backend, device, block_size, model_config.head_dim, dtype)
+        backend_cls = select_backend(attention_backend, device, block_size, model_config.head_dim, dtype,
+                                     kv_cache_dtype)
         self.backend = backend_cls(
             num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=model_config.head_dim, block_size=block_size,
-            scale=model_config.head_dim ** -0.5, device=device, dtype=dtype)
+            scale=model_config.head_dim ** -0.5, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         # [num_layers] x (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
         # (this rank's KV heads under tensor parallelism)
         shape = (model_config.num_layers, 2, num_blocks, block_size, num_kv_heads, model_config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        # per layer (k_scale, v_scale) of an FP8 cache: fixed for the engine's life (CUDA graphs
+        # capture them as constants); 1.0 without calibration, as vLLM
+        self.kv_scales = [(DEFAULT_KV_SCALE, DEFAULT_KV_SCALE)] * model_config.num_layers
         self.sampler = Sampler(device, seed)
         self._prompt_logprobs: list[PromptLogprobsChunk] = []  # the last step's, until taken
         if torch_compile:  # before the graphs are captured: their warm-up runs compile it
@@ -58,7 +64,8 @@ class ModelRunner:
         self.graph_runner = None
         if uses_cuda_graphs(self.backend.name, device.type, enforce_eager):
             self.graph_runner = DecodeCudaGraphs(self.model, self.backend, self.kv_caches, max_num_seqs,
-                                                 self.max_blocks_per_seq, max_model_len, device)
+                                                 self.max_blocks_per_seq, max_model_len, device,
+                                                 kv_scales=self.kv_scales)
             self.graph_runner.capture()
 
     def prepare_host(self, output: SchedulerOutput) -> HostStep:
@@ -118,7 +125,7 @@ class ModelRunner:
         (input_ids, positions), metadata, logits_indices = self.prepare(output)
         if output.blocks_to_copy:  # copy on write of blocks shared by parallel sequences
             src, dst = (to_device(list(ids), torch.long, self.device) for ids in zip(*output.blocks_to_copy))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # [layers, 2, n, block, kv_heads, head_dim]
+            self._copy_blocks(src, dst)
         pending = self._pending_inputs(output)
         if pending:
             if previous is None:
@@ -129,7 +136,7 @@ class ModelRunner:
             hidden = self.graph_runner.run(input_ids, positions, metadata)  # [T, hidden]
         else:
             self.backend.plan(metadata)
-            with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
+            with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.kv_scales)):
                 hidden = self.model(input_ids, positions)  # [T, hidden]
         if any(e.request.prompt_logprobs is not None for e in output.scheduled):
             self._prompt_logprobs = score_prompt_tokens(self.model, hidden, output.scheduled)
@@ -183,12 +190,18 @@ class ModelRunner:
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """Copy KV blocks, then the model's forward (a CUDA graph when one fits): [T, hidden]."""
         if step.copy_src.numel():
-            self.kv_cache[:, :, step.copy_dst] = self.kv_cache[:, :, step.copy_src]
+            self._copy_blocks(step.copy_src, step.copy_dst)
         if self.graph_runner is not None and self.graph_runner.can_run(step.metadata):
             return self.graph_runner.run(step.input_ids, step.positions, step.metadata)
         self.backend.plan(step.metadata)
-        with forward_context(ForwardContext(step.metadata, self.backend, self.kv_caches)):
+        with forward_context(ForwardContext(step.metadata, self.backend, self.kv_caches, self.kv_scales)):
             return self.model(step.input_ids, step.positions)
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy KV blocks src -> dst in every layer; an FP8 pool as bytes (indexed copies of float8
+        dtypes are not implemented on every device and torch version)."""
+        pool = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+        pool[:, :, dst] = pool[:, :, src]  # [layers, 2, n, block, kv_heads, head_dim]
 
     def take_prompt_logprobs(self) -> list[PromptLogprobsChunk]:
         """The prompt tokens scored by the last execute (for requests with prompt_logprobs)."""

@@ -52,6 +52,7 @@ class Followers:
 
 def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) -> None:
     from kvmesh.worker.kv_sizing import num_kv_blocks
+    from kvmesh.worker.kv_cache import kv_cache_torch_dtype
     from kvmesh.worker.model_builder import build_model, resolve_device_dtype
     from kvmesh.worker.model_runner import ModelRunner
     from kvmesh.worker.tensor_parallel import destroy_group, init_group, rank_device
@@ -65,10 +66,11 @@ def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) 
         loaded = build_model(config.model, device, dtype, config.seed, tp=tp, quantization=config.quantization)
         max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                             loaded.config.max_position_embeddings)
-        blocks = num_kv_blocks(config, loaded.config, device, dtype, tp)
+        blocks = num_kv_blocks(config, loaded.config, device, kv_cache_torch_dtype(config.kv_cache_dtype, dtype), tp)
         runner = ModelRunner(loaded.model, loaded.config, blocks, config.block_size, device, dtype,
                              config.attention_backend, config.seed, max_model_len,
-                             enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs, tp=tp)
+                             enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs, tp=tp,
+                             kv_cache_dtype=config.kv_cache_dtype)
         runner.follow()
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)

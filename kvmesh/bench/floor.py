@@ -66,6 +66,7 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     num_sparse_layers: int = 0
+    kv_dtype_bytes: int | None = None  # the KV cache's element size (1 for FP8); None: dtype_bytes
 
     @property
     def attention_params(self) -> int:
@@ -105,7 +106,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        kv_bytes = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * kv_bytes
 
 
 class FloorCounter:

@@ -7,13 +7,15 @@ import statistics
 import time
 
 from kvmesh.bench.offline import DEFAULT_MODEL
-from kvmesh.config import ATTENTION_BACKENDS
+from kvmesh.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
     p.add_argument("--attention-backend", default="auto",
                    choices=ATTENTION_BACKENDS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model dtype; fp8 / fp8_e4m3: an FP8 KV cache")
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
@@ -38,7 +40,7 @@ def run(args) -> int:
     llm = LLM(model=args.model, device=args.device, attention_backend=args.attention_backend,
               block_size=block_size, enforce_eager=args.enforce_eager, max_num_seqs=8,
               torch_compile=args.torch_compile, tensor_parallel_size=args.tensor_parallel_size,
-              quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
               max_num_batched_tokens=max(2048, args.prompt_len),
               max_model_len=max(4096, args.prompt_len + 8, args.decode_prompt_len + args.output_len + 8))
     vocab = llm.engine.model_config.vocab_size
@@ -63,7 +65,8 @@ def run(args) -> int:
         tpots.extend(b - a for a, b in zip(times, times[1:]))
     result = {"model": args.model, "attention_backend": llm.engine.runner.backend.name,
               "cuda_graphs": getattr(llm.engine.runner, "graph_runner", None) is not None,
-              "torch_compile": llm.engine.config.torch_compile, "quantization": llm.engine.config.quantization,
+              "torch_compile": llm.engine.config.torch_compile, "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+              "quantization": llm.engine.config.quantization,
               "ttft_ms": 1e3 * statistics.median(ttfts), "ttft_prompt_len": args.prompt_len,
               "tpot_ms": 1e3 * statistics.median(tpots), "tpot_p90_ms": 1e3 * _quantile(tpots, 0.9),
               "tpot_output_len": args.output_len}

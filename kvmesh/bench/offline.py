@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from kvmesh.config import ATTENTION_BACKENDS
+from kvmesh.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 DEFAULT_MODEL = "random:qwen3-0.6b"
 # For --structured-outputs json: strings take almost any token, so a random model's outputs stay
@@ -36,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct system prompts (default 8)")
     p.add_argument("--attention-backend", default="auto",
                    choices=ATTENTION_BACKENDS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model dtype; fp8 / fp8_e4m3: an FP8 KV cache (half the bytes)")
     p.add_argument("--peer", action="append", default=[], choices=["nano-vllm", "transformers"],
                    help="also run this engine on the same workload in the same run (repeatable)")
     p.add_argument("--peer-num-prompts", type=int, default=None,
@@ -72,6 +74,7 @@ def engine_args(args) -> dict:
     return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=max_model_len, enforce_eager=args.enforce_eager,
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 torch_compile=getattr(args, "torch_compile", False),
                 async_scheduling=getattr(args, "async_scheduling", None),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
@@ -127,7 +130,8 @@ def run(args) -> int:
                num_sparse_layers=len(cfg.moe.sparse_layers)) if cfg.moe is not None else {}
     shape = ModelShape(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
-                       torch.tensor([], dtype=engine.dtype).element_size(), **moe)
+                       torch.tensor([], dtype=engine.dtype).element_size(),
+                       kv_dtype_bytes=torch.tensor([], dtype=engine.kv_cache_dtype).element_size(), **moe)
     floor = FloorCounter(shape, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"])
     for query_lens, seq_lens, num_sampled in probe.steps:
         floor.add_step(query_lens, seq_lens, num_sampled)
@@ -135,6 +139,7 @@ def run(args) -> int:
     result = {
         "model": args.model, "workload": args.workload, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+        "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_blocks": engine.num_kv_blocks,
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
         # the floor below is one GPU's, whatever the tensor-parallel size
         "tensor_parallel_size": engine.config.tensor_parallel_size,

@@ -5,11 +5,13 @@ A case is a flat step: `num_decodes` sequences with one new token, then prompt c
 permutation of the pool, so a kernel that ignores the block table cannot pass.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from kvmesh.worker.attention.base import AttentionMetadata
+from kvmesh.worker.kv_cache import dequantize, quantize_fp8
 
 
 @dataclass
@@ -94,3 +96,19 @@ def reference_attention(case: Case) -> torch.Tensor:
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     return float(err)  # NaN compares false against any bound
+
+
+def fp8_case(case: Case, k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[Case, torch.Tensor]:
+    """The case with FP8 (e4m3) caches holding its cached K / k_scale and V / v_scale (the poisoned
+    slots stay NaN), and the float32 reference of the problem an FP8 backend really solves: every
+    key and value, cached or new, rounded through e4m3 at its scale. An FP8 backend should then sit
+    as close to this reference as a bf16 backend to reference_attention: only its arithmetic differs."""
+    fp8 = dataclasses.replace(case, k_cache=quantize_fp8(case.k_cache, k_scale),
+                              v_cache=quantize_fp8(case.v_cache, v_scale))
+
+    def rounded(x, scale):
+        return dequantize(quantize_fp8(x, scale), scale, torch.float32)
+
+    solved = dataclasses.replace(case, k=rounded(case.k, k_scale), v=rounded(case.v, v_scale),
+                                 k_cache=rounded(case.k_cache, k_scale), v_cache=rounded(case.v_cache, v_scale))
+    return fp8, reference_attention(solved)

@@ -19,8 +19,8 @@ def test_defaults_match_the_contract():
         "device": "auto", "dtype": "auto", "block_size": 16, "max_num_batched_tokens": 2048,
         "max_num_seqs": 64, "max_model_len": None, "kv_cache_memory_bytes": None,
         "gpu_memory_utilization": 0.9, "enable_prefix_caching": True, "attention_backend": "auto",
-        "enforce_eager": False, "torch_compile": False, "seed": 0, "tensor_parallel_size": 1,
-        "quantization": None}
+        "kv_cache_dtype": "auto", "enforce_eager": False, "torch_compile": False, "seed": 0,
+        "tensor_parallel_size": 1, "quantization": None}
     assert {k: cfg["replicas"][k] for k in ("num_replicas", "num_gpus", "num_cpus",
                                             "max_ongoing_requests", "resources")} == {
         "num_replicas": 1, "num_gpus": 1, "num_cpus": 1, "max_ongoing_requests": 64, "resources": {}}

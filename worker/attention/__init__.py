@@ -1,6 +1,6 @@
 """Attention backends, one file each, listed with their capabilities in `registry.BACKENDS`; chosen
 by name with `attention_backend=`, or automatically (`auto`: the first in registry order that runs
-here and supports the block size, head dim and dtype)."""
+here and supports the block size, head dim, dtype and KV-cache dtype)."""
 
 import importlib
 
@@ -16,8 +16,9 @@ def load_backend_class(name: str) -> type[AttentionBackend]:
 
 
 def select_backend(name: str, device: torch.device, block_size: int, head_dim: int,
-                   dtype: torch.dtype) -> type[AttentionBackend]:
-    return load_backend_class(choose_backend(name, device.type, block_size, head_dim, dtype_name(dtype)))
+                   dtype: torch.dtype, kv_cache_dtype: str = "auto") -> type[AttentionBackend]:
+    return load_backend_class(choose_backend(name, device.type, block_size, head_dim, dtype_name(dtype),
+                                             kv_cache_dtype))
 
 
 __all__ = ["BACKENDS", "AttentionBackend", "load_backend_class", "select_backend"]

@@ -1,7 +1,9 @@
 """The attention backend interface and the per-step metadata every backend reads.
 
 KV cache layout (all backends): per layer, k_cache and v_cache of shape
-[num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged layout, flashinfer's NHD).
+[num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged layout, flashinfer's NHD), in
+the model dtype or, with kv_cache_dtype fp8, float8_e4m3fn holding K / k_scale and V / v_scale
+(per-layer scales, worker/kv_cache.py): backends quantize on store and dequantize on read.
 A token's slot is block_id * block_size + offset_in_block.
 
 One forward step covers a flat batch of T new tokens from S sequences, mixing decodes (one new
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.worker.attention.registry import check_supported, dtype_name
+from kvmesh.worker.kv_cache import is_fp8, kv_cache_torch_dtype
 
 
 @dataclass
@@ -52,8 +55,10 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 scale: float, device: torch.device, dtype: torch.dtype):
-        check_supported(self.name, block_size, head_dim, dtype_name(dtype))
+                 scale: float, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
+        check_supported(self.name, block_size, head_dim, dtype_name(dtype), kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's element type
+        self.fp8_kv = is_fp8(self.kv_cache_dtype)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -68,10 +73,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) into the caches at metadata.slot_mapping, then attend.
 
-        q: [T, H, D]. Returns [T, H, D].
+        q: [T, H, D]. Returns [T, H, D]. k_scale / v_scale: the layer's FP8 scales (unused when
+        the cache is in the model dtype).
         """
 
 
@@ -80,6 +86,10 @@ class ForwardContext:
     metadata: AttentionMetadata
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    kv_scales: list[tuple[float, float]] | None = None  # per layer (k_scale, v_scale); None: 1.0
+
+    def kv_scale(self, layer_idx: int) -> tuple[float, float]:
+        return self.kv_scales[layer_idx] if self.kv_scales is not None else (1.0, 1.0)
 
 
 _forward_context: ContextVar[ForwardContext | None] = ContextVar("kvmesh_forward_context", default=None)

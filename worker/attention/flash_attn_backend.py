@@ -4,7 +4,8 @@ Prompt chunks go through `flash_attn_varlen_func` with `block_table` (the cached
 the pool; cu_seqlens_k counts whole contexts), decodes through `flash_attn_with_kvcache` with
 `cache_seqlens`. The step's K/V is stored first by kvmesh's store_kvcache, so both calls only read.
 flash-attn's paged mode needs a block size that is a multiple of 256 (registry.BACKENDS, checked
-when the backend is built).
+when the backend is built). No FP8 KV cache: flash-attn 2's kernels read K/V in the query's dtype
+and take no descale (registry.BACKENDS says so; asking for it is an error naming kv_cache_dtype).
 """
 
 import torch
@@ -15,8 +16,8 @@ from .base import AttentionBackend, AttentionMetadata
 class FlashAttnAttentionBackend(AttentionBackend):
     name = "flash_attn"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype="auto"):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype)
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional dependency
 
         self._varlen = flash_attn_varlen_func
@@ -33,7 +34,7 @@ class FlashAttnAttentionBackend(AttentionBackend):
             metadata.extra["flash_attn_max_seqlen_k"] = max(metadata.seq_lens_cpu[num_decodes:])
             metadata.extra["flash_attn_max_seqlen_q"] = max(metadata.query_lens_cpu[num_decodes:])
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata):
+    def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):  # scales: FP8 only
         self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)  # [T, H, D]
         num_decodes = metadata.num_decode_tokens

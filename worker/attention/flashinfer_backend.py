@@ -6,6 +6,9 @@ indices gathered on the device) and plans the decode wrapper for the leading one
 and the prefill wrapper for the prompt chunks. One workspace buffer serves every wrapper.
 For CUDA graphs, a decode wrapper per captured batch size owns fixed page-list buffers, and is
 re-planned before each replay.
+An FP8 KV cache is flashinfer's own: the wrappers are planned with kv_data_type float8_e4m3fn (q
+stays in the model dtype) and run with the layer's k_scale / v_scale (flashinfer folds k_scale into
+the softmax scale and multiplies the output by v_scale); kvmesh's store kernel quantizes.
 """
 
 import numpy as np
@@ -19,8 +22,8 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype="auto"):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype)
         import flashinfer  # imported here: optional dependency (kvmesh[gpu])
         from kvmesh.kernels.store_kvcache import store_kvcache
 
@@ -63,7 +66,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         num_decodes = metadata.num_decode_tokens
         common = dict(num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads, page_size=page,
-                      q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+                      q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype, sm_scale=self.scale)
         if num_decodes:
             graph_batch = metadata.extra.get("cuda_graph_batch_size")
             wrapper = (self._graph_decode_wrapper(graph_batch, metadata.block_tables.shape[1])
@@ -85,15 +88,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                 head_dim_qk=self.head_dim, causal=True, **common)
         metadata.extra["flashinfer_planned"] = True
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata):
+    def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):
         if not metadata.extra.get("flashinfer_planned"):
             self.plan(metadata)
-        self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        self._store(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        # None when there is nothing to scale: flashinfer then skips its `out *= v_scale`
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.fp8_kv else {}
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, H, D]
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
-            metadata.extra["flashinfer_decode"].run(q[:num_decodes], (k_cache, v_cache), out=out[:num_decodes])
+            metadata.extra["flashinfer_decode"].run(q[:num_decodes], (k_cache, v_cache), out=out[:num_decodes],
+                                                    **scales)
         if num_decodes < q.shape[0]:
-            self.prefill_wrapper.run(q[num_decodes:], (k_cache, v_cache), out=out[num_decodes:])
+            self.prefill_wrapper.run(q[num_decodes:], (k_cache, v_cache), out=out[num_decodes:], **scales)
         return out

@@ -2,6 +2,7 @@
 
 Per layer: store the step's K/V by slot mapping, then the decode kernel for the leading one-token
 sequences and the prefill kernel for the prompt chunks, each writing its rows of one output.
+With an FP8 cache the store quantizes by the layer's scales and both kernels dequantize as they read.
 """
 
 import torch
@@ -12,8 +13,8 @@ from .base import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype)
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype="auto"):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype)
         # imported here so that CPU-only installs (no triton) can still import the backend registry
         from kvmesh.kernels.paged_decode import choose_num_splits, paged_decode
         from kvmesh.kernels.paged_prefill import paged_prefill
@@ -31,8 +32,8 @@ class TritonAttentionBackend(AttentionBackend):
         metadata.extra["num_splits"] = self._choose_num_splits(
             num_decodes, self.num_kv_heads, metadata.max_seq_len, self.num_sms) if num_decodes else 1
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata):
-        self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):
+        self._store(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)  # [T, H, D]
         num_decodes = metadata.num_decode_tokens
         num_tokens = q.shape[0]
@@ -43,9 +44,9 @@ class TritonAttentionBackend(AttentionBackend):
                                                      self.num_sms)
             self._decode(q[:num_decodes], k_cache, v_cache, out[:num_decodes],
                          metadata.seq_lens[:num_decodes], metadata.block_tables[:num_decodes],
-                         self.scale, num_splits)
+                         self.scale, num_splits, k_scale, v_scale)
         if num_decodes < num_tokens:
             self._prefill(q, k_cache, v_cache, out, metadata.query_start_loc[num_decodes:],
                           metadata.seq_lens[num_decodes:], metadata.block_tables[num_decodes:],
-                          metadata.max_query_len, self.scale)
+                          metadata.max_query_len, self.scale, k_scale, v_scale)
         return out

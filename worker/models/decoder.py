@@ -56,7 +56,8 @@ class Attention(nn.Module):
         """The attention backend over the paged KV cache (writes k and v into it): [T, H * D]."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata)  # [T, H, D]
+        k_scale, v_scale = ctx.kv_scale(self.layer_idx)  # FP8 KV cache scales (1.0 otherwise)
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, k_scale, v_scale)  # [T, H, D]
         return out.reshape(q.shape[0], self.q_size)
 
 
