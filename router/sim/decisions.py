@@ -9,7 +9,8 @@ index: that is kvmesh.router.sim.scale).
 One `kvmesh sim` run of kv_events per (workers, workload, seed), each in its own process (`--jobs`
 at a time); a row per run: decision wall p50 / p99 / p99.9 / max and CPU p50 / p99 (the routing thread's
 time: a busy machine does not inflate it), hit rate, TTFT p99, the collections of Python's garbage
-collector during the run (gc.callbacks: count, longest, total ms), and the machine's 1-minute load
+collector during the simulation's event loop, where the decisions are (gc.callbacks: count,
+longest, total ms; the setup's are left out), and the machine's 1-minute load
 average as the run ended. Runs side by side share the machine's caches: use --jobs 1 for figures.
 
 --profile times the phases of every decision of one run (index walk, in-flight lookup, load order,
@@ -67,7 +68,11 @@ def measure(workers: int, workload: str, seed: int, requests: int, load: float) 
     """One run of kv_events; its decision figures, hit rate and TTFT p99."""
     from kvmesh.router.sim.run import run
 
-    pauses_ns: list[int] = []  # every collection of the run (any generation), by gc.callbacks
+    import kvmesh.router.sim.cluster as cluster_module
+
+    # The collections (any generation, by gc.callbacks) of the simulation's event loop, where the
+    # decisions are: those of the setup (trace, workers) are dropped when the loop starts.
+    pauses_ns: list[int] = []
     started = [0]
 
     def on_collection(phase: str, info: dict) -> None:
@@ -76,10 +81,19 @@ def measure(workers: int, workload: str, seed: int, requests: int, load: float) 
         else:
             pauses_ns.append(time.perf_counter_ns() - started[0])
 
+    freeze_setup = cluster_module.freeze_setup
+
+    def loop_starts() -> bool:
+        frozen = freeze_setup()
+        pauses_ns.clear()
+        return frozen
+
     gc.callbacks.append(on_collection)
+    cluster_module.freeze_setup = loop_starts
     try:
         report = run(workload, ["kv_events"], _config(workers, seed), num_requests=requests, load=load)
     finally:
+        cluster_module.freeze_setup = freeze_setup
         gc.callbacks.remove(on_collection)
     m = report["policies"]["kv_events"]
     keys = ("decision_p50_us", "decision_p99_us", "decision_p999_us", "decision_max_us",
