@@ -31,9 +31,10 @@ from kvmesh.router.index import bit_positions
 # listing them (~0.4 us each); any other by walking the heap from its top, whose first buckets hold
 # one of them unless they are the busy ones (a popular prefix's holders): a mask of at least
 # 1/WALK_SHARE of the eligible workers for up to WALK_BUCKETS buckets, a smaller one for its first
-# member up to WALK_FIRST_BUCKETS (multiturn's workers without the system prompt, ~150 of 4,096,
-# are idle: the first or second bucket), then by a vectorized scan of the members' load costs
-# (~12 us at 4,096 workers warm, 25-45 us inside a run, whatever the members).
+# member up to WALK_FIRST_BUCKETS, when one is in the heap's first three entries (multiturn's workers
+# without the system prompt, ~150 of 4,096, are idle: the first or second bucket), then by a
+# vectorized scan of the members' load costs (~12 us at 4,096 workers warm, 25-45 us inside a run,
+# whatever the members).
 LIST_MEMBERS = 16
 WALK_SHARE = 8
 WALK_BUCKETS = 16
@@ -209,8 +210,9 @@ class LoadOrder:
         eligible worker is in the set. A set of up to LIST_MEMBERS eligible workers is listed
         (O(members)); the others share one walk of the heap from its top, which stops when each has
         its groups (a set of most workers meets one in the first buckets) or after WALK_BUCKETS
-        buckets, a set of fewer than 1/WALK_SHARE of the eligible without a member in the first
-        WALK_FIRST_BUCKETS; those the walk left are scanned (`_scanned`, O(workers) in numpy)."""
+        buckets, a set of fewer than 1/WALK_SHARE of the eligible (walked only when a member is in
+        the heap's first three entries) without a member in the first WALK_FIRST_BUCKETS; the
+        others, and those the walk left, are scanned (`_scanned`, O(workers) in numpy)."""
         found: list[list[Group]] = [[] for _ in masks]
         # position in masks -> (the eligible members, buckets the walk may take to meet the first)
         walk: dict[int, tuple[int, int]] = {}
@@ -224,11 +226,20 @@ class LoadOrder:
                 found[i] = self._listed(mask, slack)
             elif num_members * WALK_SHARE >= num_eligible:
                 walk[i] = (mask, WALK_BUCKETS)
-            else:
+            elif self._meets_top(mask):
                 walk[i] = (mask, WALK_FIRST_BUCKETS)
+            else:
+                found[i] = self._scanned(mask, slack)
         if walk:
             self._walk(walk, slack, found)
         return found
+
+    def _meets_top(self, mask: int) -> bool:
+        """Whether a member of `mask` is in one of the heap's first three entries (the cheapest
+        bucket and the second cheapest are among them): a cheap guess that a walk finds the mask's
+        first member at once, where a popular prefix's busy holders would make it walk in vain."""
+        bucket_mask = self._bucket_mask
+        return any(bucket_mask.get(key, 0) & mask for _, key in self._heap[:3])
 
     def _listed(self, mask: int, slack: float) -> list[Group]:
         by_slot, key_of = self._by_slot, self._key_of
