@@ -5,6 +5,7 @@ little-endian int32, H = xxh3_64. Stable across processes, machines and Python v
 blocks are hashed: a partial block can still change, so it is never shared.
 """
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,3 +51,18 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"",
 def model_salt(model_name: str) -> bytes:
     """The salt for a model's blocks: worker and router derive it from the same model name."""
     return model_name.encode("utf-8")
+
+
+def hash_array(hashes: Sequence[int] | array | np.ndarray) -> array:
+    """`hashes` as an array('Q') (unsigned 64-bit, as xxh3_64 gives them): the form a router keeps
+    them in. Python's garbage collector does not visit the hashes of an array (its one referent is
+    its type), so a router's long-lived hash sequences (the index's runs, the records of prefixes in
+    flight) cost a collection one visit each, where a list of 500 hashes costs it 500
+    (docs/ROUTING.md "Inside the simulator"). An array('Q') is returned as it is (no copy: it must
+    not change afterwards); a list costs ~40 ns a hash, so whoever produces the hashes should
+    produce the array (a numpy uint64 array's `tobytes()` gives it in ~1 us for 500)."""
+    if isinstance(hashes, array) and hashes.typecode == "Q":
+        return hashes
+    if isinstance(hashes, np.ndarray):
+        return array("Q", hashes.astype(np.uint64, copy=False).tobytes())
+    return array("Q", hashes)

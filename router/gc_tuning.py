@@ -28,3 +28,16 @@ def tune_gc_for_routing() -> tuple[int, int, int]:
     gc.freeze()
     gc.set_threshold(*ROUTING_GC_THRESHOLDS)
     return before
+
+
+def freeze_setup() -> bool:
+    """In a process tuned for routing (tune_gc_for_routing), move what exists now out of every
+    collection, as tune_gc_for_routing does at start; True if it did. For the simulator: its trace
+    and simulated workers (their caches hold millions of references) are built after the process
+    starts and are no part of a router process, whose young collections they would otherwise
+    lengthen (docs/ROUTING.md "Inside the simulator")."""
+    if gc.get_threshold() != ROUTING_GC_THRESHOLDS:
+        return False
+    gc.collect()
+    gc.freeze()
+    return True

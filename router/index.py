@@ -16,6 +16,7 @@ holds the lock.
 """
 
 import sys
+from array import array
 from itertools import groupby
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvmesh.hashing import hash_array
 from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 MAX_PENDING_BATCHES = 1024  # batches kept per worker while its snapshot is awaited
@@ -43,10 +45,11 @@ class _Run:
     """Blocks that have the same holders (`mask`, a bitmask of worker slots), in the order they were
     stored: a chain segment when they came from one event. Every hash of `hashes` maps to this run in
     the index, so a walk that finds a prompt's next blocks equal to a run's hashes knows their
-    holders from one lookup."""
+    holders from one lookup. The hashes are an array('Q'), whose hashes the garbage collector does
+    not visit (a list of a chain's hundreds of hashes would cost a young collection a visit each)."""
     __slots__ = ("mask", "hashes")
 
-    def __init__(self, mask: int, hashes: list[int]):
+    def __init__(self, mask: int, hashes: array):
         self.mask = mask
         self.hashes = hashes
 
@@ -180,7 +183,7 @@ class KVIndex:
             run = blocks.get(h)
             if run is None:
                 if fresh is None or not as_chain:
-                    fresh = _Run(bit, [])
+                    fresh = _Run(bit, array("Q"))
                 fresh.hashes.append(h)
                 blocks[h] = fresh
             else:
@@ -213,7 +216,7 @@ class KVIndex:
     def _drop_blocks(self, entry: _WorkerEntry) -> None:
         self._remove(entry, list(entry.blocks))
 
-    def _set_mask(self, run: _Run, subset: list[int], mask: int) -> None:
+    def _set_mask(self, run: _Run, subset: Sequence[int], mask: int) -> None:
         """Give `subset` (hashes of `run`) the holders `mask`: the run is split where membership
         changes (the longest piece keeps the run object, the others' entries are re-pointed); a piece
         nobody holds leaves the index."""
@@ -279,7 +282,9 @@ class KVIndex:
     def levels(self, block_hashes: Sequence[int], alive: int | None = None) -> list[tuple[int, int]]:
         """The holders of the prompt's prefixes by length: [(num_blocks, mask)], num_blocks ascending
         (each >= 1), `mask` the slots (`slot`, `worker_at`) of the workers whose leading cached
-        blocks of `block_hashes` number exactly `num_blocks`. The masks are disjoint and one entry
+        blocks of `block_hashes` number exactly `num_blocks`. `block_hashes`: best an array('Q')
+        (kvmesh.hashing.hash_array), as the runs keep theirs; any other sequence is converted first
+        (~40 ns a hash). The masks are disjoint and one entry
         stands for every worker at that length, so the answer grows with the number of distinct
         lengths, not with the holders (a system prompt on every worker is one entry). `alive`: only
         these slots (default every worker's). O(prompt runs)."""
@@ -291,8 +296,7 @@ class KVIndex:
         # blocks are compared to in C (a chain's blocks stored together form one run), so a prompt
         # costs a lookup per run, not per block. The holder set can only shrink at a run's boundary
         # (a worker missing block i cannot count blocks after it).
-        if not isinstance(block_hashes, list):
-            block_hashes = list(block_hashes)
+        block_hashes = hash_array(block_hashes)
         get = self._blocks.get
         levels: list[tuple[int, int]] = []
         running, num_leading = alive, 0  # workers holding every block so far; blocks so far
@@ -345,7 +349,7 @@ class KVIndex:
         return total
 
 
-def _pieces(hashes: list[int], subset: list[int]) -> list[tuple[list[int], bool]]:
+def _pieces(hashes: array, subset: Sequence[int]) -> list[tuple[array, bool]]:
     """`hashes` (no repeats) cut into maximal stretches inside / outside `subset` (some of them), in
     order. A subset that is one stretch starting at its first element (an event's chain segment, an
     evicted block) is cut by slicing; any other by one pass."""
@@ -358,10 +362,10 @@ def _pieces(hashes: list[int], subset: list[int]) -> list[tuple[list[int], bool]
     if len(stretch) == len(members) and members.issuperset(stretch):
         cut = [(hashes[:start], False), (stretch, True), (hashes[stop:], False)]
         return [piece for piece in cut if piece[0]]
-    return [(list(run), inside) for inside, run in groupby(hashes, members.__contains__)]
+    return [(array("Q", run), inside) for inside, run in groupby(hashes, members.__contains__)]
 
 
-def _run_length(run_hashes: list[int], block_hashes: Sequence[int], start: int) -> int:
+def _run_length(run_hashes: array, block_hashes: array, start: int) -> int:
     """How many blocks of `block_hashes` from `start` (which is in the run) are the run's next
     hashes: all of the run's rest when the prompt follows it, else the prefix they share, found by
     bisection (chained hashes that agree at block k agree before it) and checked; 1 when the prompt

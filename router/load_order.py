@@ -28,13 +28,17 @@ import numpy as np
 from kvmesh.router.index import bit_positions
 
 # How the cheapest members of a mask are found (cheapest_in): a mask of at most LIST_MEMBERS workers by
-# listing them (~0.4 us each); one of at least 1/WALK_SHARE of the eligible workers by walking the
-# heap, whose first buckets hold one of them unless they are the busy ones (a popular prefix's
-# holders): after WALK_BUCKETS buckets, and for the masks in between, by a vectorized scan of the
-# members' load costs (~12 us at 4,096 workers, whatever the members).
+# listing them (~0.4 us each); any other by walking the heap from its top, whose first buckets hold
+# one of them unless they are the busy ones (a popular prefix's holders): a mask of at least
+# 1/WALK_SHARE of the eligible workers for up to WALK_BUCKETS buckets, a smaller one for its first
+# member up to WALK_FIRST_BUCKETS, when one is in the heap's first three entries (multiturn's workers
+# without the system prompt, ~150 of 4,096, are idle: the first or second bucket), then by a
+# vectorized scan of the members' load costs (~12 us at 4,096 workers warm, 25-45 us inside a run,
+# whatever the members).
 LIST_MEMBERS = 16
 WALK_SHARE = 8
 WALK_BUCKETS = 16
+WALK_FIRST_BUCKETS = 4
 
 
 class LoadKey(NamedTuple):
@@ -204,12 +208,14 @@ class LoadOrder:
         eligible member of it, in (cost, key) order -- the heap's -- from the cheapest through every
         one within `slack` of its cost, as groups (the bucket's members in the set); [] when no
         eligible worker is in the set. A set of up to LIST_MEMBERS eligible workers is listed
-        (O(members)); those of at least 1/WALK_SHARE of the eligible share one walk of the heap from
-        its top, which stops when each has its groups (a set of most workers meets one in the first
-        buckets) or after WALK_BUCKETS buckets; the others, and those the walk left, are scanned
-        (`_scanned`, O(workers) in numpy)."""
+        (O(members)); the others share one walk of the heap from its top, which stops when each has
+        its groups (a set of most workers meets one in the first buckets) or after WALK_BUCKETS
+        buckets, a set of fewer than 1/WALK_SHARE of the eligible (walked only when a member is in
+        the heap's first three entries) without a member in the first WALK_FIRST_BUCKETS; the
+        others, and those the walk left, are scanned (`_scanned`, O(workers) in numpy)."""
         found: list[list[Group]] = [[] for _ in masks]
-        walk: dict[int, int] = {}  # position in masks -> the eligible members, for the heap walk
+        # position in masks -> (the eligible members, buckets the walk may take to meet the first)
+        walk: dict[int, tuple[int, int]] = {}
         num_eligible = self.mask.bit_count()
         for i, mask in enumerate(masks):
             mask &= self.mask
@@ -219,12 +225,21 @@ class LoadOrder:
             if num_members <= LIST_MEMBERS:
                 found[i] = self._listed(mask, slack)
             elif num_members * WALK_SHARE >= num_eligible:
-                walk[i] = mask
+                walk[i] = (mask, WALK_BUCKETS)
+            elif self._meets_top(mask):
+                walk[i] = (mask, WALK_FIRST_BUCKETS)
             else:
                 found[i] = self._scanned(mask, slack)
         if walk:
             self._walk(walk, slack, found)
         return found
+
+    def _meets_top(self, mask: int) -> bool:
+        """Whether a member of `mask` is in one of the heap's first three entries (the cheapest
+        bucket and the second cheapest are among them): a cheap guess that a walk finds the mask's
+        first member at once, where a popular prefix's busy holders would make it walk in vain."""
+        bucket_mask = self._bucket_mask
+        return any(bucket_mask.get(key, 0) & mask for _, key in self._heap[:3])
 
     def _listed(self, mask: int, slack: float) -> list[Group]:
         by_slot, key_of = self._by_slot, self._key_of
@@ -234,15 +249,18 @@ class LoadOrder:
         near = sorted((cost[key], key) for key in keys if cost[key] <= top)
         return [Group(c, key, bucket_mask[key] & mask) for c, key in near]
 
-    def _walk(self, walk: dict[int, int], slack: float, found: list[list[Group]]) -> None:
+    def _walk(self, walk: dict[int, tuple[int, int]], slack: float, found: list[list[Group]]) -> None:
         heap, popped = self._heap, []
         first_cost: dict[int, float] = {}
         bucket_mask = self._bucket_mask
         while heap and walk:
-            if len(popped) == WALK_BUCKETS:
-                for i, mask in walk.items():
-                    found[i] = self._scanned(mask, slack)
-                break
+            if len(popped) >= WALK_FIRST_BUCKETS:
+                # Out of buckets: a mask with its first group may go on to WALK_BUCKETS.
+                for i in [i for i, (_, budget) in walk.items()
+                          if len(popped) >= (WALK_BUCKETS if i in first_cost else budget)]:
+                    found[i] = self._scanned(walk.pop(i)[0], slack)
+                if not walk:
+                    break
             cost, key = heap[0]
             members = bucket_mask.get(key)
             if members is None:  # emptied since it was pushed
@@ -255,7 +273,7 @@ class LoadOrder:
                 if first is not None and cost > first + slack:
                     del walk[i]
                     continue
-                inside = members & walk[i]
+                inside = members & walk[i][0]
                 if inside:
                     found[i].append(Group(cost, key, inside))
                     if first is None:

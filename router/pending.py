@@ -9,10 +9,12 @@ worker) and credits that worker with the blocks a later request shares with it, 
 catches up (its own overlap then reaches past the recorded start, and the record is not consulted).
 
 One record per routed request, keyed by the first block the worker had to compute, holding a reference
-to the request's hash list (no copy). Because the hashes are chained, two chains that agree on block k
-agree on every block before it, so the shared length is found by bisection (O(log blocks)). Bounded
-to the `max_requests` most recent records: a record is needed for one prefill's duration. Not
-thread-safe: the Router holds the lock.
+to the request's hashes (no copy). The Router hands them over as an array('Q'), whose hashes the
+garbage collector does not visit: 4,096 records of lists of ~500 hashes were 2 million references
+for a young collection to visit (docs/ROUTING.md "Inside the simulator"). Because the hashes are
+chained, two chains that agree on block k agree on every block before it, so the shared length is
+found by bisection (O(log blocks)). Bounded to the `max_requests` most recent records: a record is
+needed for one prefill's duration. Not thread-safe: the Router holds the lock.
 """
 
 from collections import OrderedDict
@@ -24,7 +26,7 @@ class PendingPrefixes:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.max_requests = max_requests
-        # first block to compute -> (worker, the routed request's block hashes)
+        # first block to compute -> (worker, the routed request's block hashes, an array('Q'))
         self._records: OrderedDict[int, tuple[str, Sequence[int]]] = OrderedDict()
 
     def __len__(self) -> int:

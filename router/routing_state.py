@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from kvmesh.hashing import hash_array
 from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
 from kvmesh.router.event_log import PollResult, WorkerGone
 from kvmesh.router.router import Router
@@ -102,7 +103,7 @@ class RoutingState:
 
     # ---- routing -----------------------------------------------------------------------------
 
-    def rank(self, block_hashes: list[int], num_prompt_tokens: int, session_key: str | None,
+    def rank(self, block_hashes: Sequence[int], num_prompt_tokens: int, session_key: str | None,
              candidates: list[str], avoid: list[str] | tuple = ()) -> list[str]:
         """Candidates in the policy's order of preference (every candidate appears once); stale
         or stalled workers after the others, and last the ones in `avoid` (whose engine died under
@@ -112,6 +113,7 @@ class RoutingState:
             for wid in candidates:
                 if wid not in self.router.workers:
                     self.router.add_worker(wid)  # running but not heard from yet: no cache
+            block_hashes = hash_array(block_hashes)  # once, for the route and its count
             ranked = self.router.route(block_hashes, num_prompt_tokens, session_key=session_key)
             if ranked:
                 self.router.count_routed(ranked[0], block_hashes, num_prompt_tokens)

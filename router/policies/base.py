@@ -16,7 +16,9 @@ from kvmesh.router.workers import LoadColumns, WorkerState
 
 @dataclass
 class RouteRequest:
-    block_hashes: list[int]  # kvmesh.hashing.block_hashes(prompt_token_ids, block_size, salt)
+    # kvmesh.hashing.block_hashes(prompt_token_ids, block_size, salt); the Router passes policies an
+    # array('Q') (kvmesh.hashing.hash_array), which kv_events keeps for prefixes in flight
+    block_hashes: Sequence[int]
     num_prompt_tokens: int
     session_key: str | None = None
     request_id: str | None = None

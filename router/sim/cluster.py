@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvmesh.router import Router
+from kvmesh.router.gc_tuning import freeze_setup
 from kvmesh.router.policies.base import RouteRequest
 from kvmesh.router.sim.calibration import CostModel
 from kvmesh.router.sim.worker import Job, SimWorker
@@ -116,6 +117,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
         else:
             followups.setdefault(r.after, []).append(r)
     heapq.heapify(heap)
+    freeze_setup()  # the trace and the simulated workers: no part of a router process's heap
 
     jobs: list[Job] = []
     decision_ns: list[int] = []

@@ -7,8 +7,10 @@ index: that is kvmesh.router.sim.scale).
     python -m kvmesh.router.sim.decisions --profile --workers 1024 --workloads tenants --seeds 100-100
 
 One `kvmesh sim` run of kv_events per (workers, workload, seed), each in its own process (`--jobs`
-at a time); a row per run: decision wall p50 / p99 / max and CPU p50 / p99 (the routing thread's
-time: a busy machine does not inflate it), hit rate, TTFT p99, and the machine's 1-minute load
+at a time); a row per run: decision wall p50 / p99 / p99.9 / max and CPU p50 / p99 (the routing thread's
+time: a busy machine does not inflate it), hit rate, TTFT p99, the collections of Python's garbage
+collector during the simulation's event loop, where the decisions are (gc.callbacks: count,
+longest, total ms; the setup's are left out), and the machine's 1-minute load
 average as the run ended. Runs side by side share the machine's caches: use --jobs 1 for figures.
 
 --profile times the phases of every decision of one run (index walk, in-flight lookup, load order,
@@ -66,12 +68,40 @@ def measure(workers: int, workload: str, seed: int, requests: int, load: float) 
     """One run of kv_events; its decision figures, hit rate and TTFT p99."""
     from kvmesh.router.sim.run import run
 
-    report = run(workload, ["kv_events"], _config(workers, seed), num_requests=requests, load=load)
+    import kvmesh.router.sim.cluster as cluster_module
+
+    # The collections (any generation, by gc.callbacks) of the simulation's event loop, where the
+    # decisions are: those of the setup (trace, workers) are dropped when the loop starts.
+    pauses_ns: list[int] = []
+    started = [0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+        else:
+            pauses_ns.append(time.perf_counter_ns() - started[0])
+
+    freeze_setup = cluster_module.freeze_setup
+
+    def loop_starts() -> bool:
+        frozen = freeze_setup()
+        pauses_ns.clear()
+        return frozen
+
+    gc.callbacks.append(on_collection)
+    cluster_module.freeze_setup = loop_starts
+    try:
+        report = run(workload, ["kv_events"], _config(workers, seed), num_requests=requests, load=load)
+    finally:
+        cluster_module.freeze_setup = freeze_setup
+        gc.callbacks.remove(on_collection)
     m = report["policies"]["kv_events"]
-    keys = ("decision_p50_us", "decision_p99_us", "decision_max_us", "decision_cpu_p50_us",
-            "decision_cpu_p99_us", "hit_rate", "ttft_p99_s", "wall_s")
+    keys = ("decision_p50_us", "decision_p99_us", "decision_p999_us", "decision_max_us",
+            "decision_cpu_p50_us", "decision_cpu_p99_us", "hit_rate", "ttft_p99_s", "wall_s")
     return {"workers": workers, "workload": workload, "seed": seed, "requests": requests, "load": load,
-            **{k: m.get(k) for k in keys}, "loadavg_1m": os.getloadavg()[0]}
+            **{k: m.get(k) for k in keys}, "gc_collections": len(pauses_ns),
+            "gc_max_ms": max(pauses_ns, default=0) / 1e6, "gc_total_ms": sum(pauses_ns) / 1e6,
+            "loadavg_1m": os.getloadavg()[0]}
 
 
 def profile(workers: int, workload: str, seed: int, requests: int, load: float) -> dict:
@@ -133,20 +163,28 @@ def _run_one(do_profile: bool, workers: int, workload: str, seed: int, requests:
 
 
 def format_rows(rows: list[dict]) -> str:
-    header = ["workers", "workload", "seed", "p50 us", "p99 us", "max us", "cpu p50", "cpu p99",
-              "hit", "ttft p99 ms", "load avg"]
+    header = ["workers", "workload", "seed", "p50 us", "p99 us", "p99.9 us", "max us", "cpu p50",
+              "cpu p99", "hit", "ttft p99 ms", "gc n / max / sum ms", "load avg"]
     lines = [header]
     def cell(value, fmt: str, scale: float = 1.0) -> str:  # None: a tree whose sim lacks the figure
         return "-" if value is None else fmt.format(value * scale)
 
     for r in rows:
         lines.append([str(r["workers"]), r["workload"], str(r["seed"]), cell(r["decision_p50_us"], "{:.1f}"),
-                      cell(r["decision_p99_us"], "{:.1f}"), cell(r["decision_max_us"], "{:.0f}"),
+                      cell(r["decision_p99_us"], "{:.1f}"), cell(r.get("decision_p999_us"), "{:.1f}"),
+                      cell(r["decision_max_us"], "{:.0f}"),
                       cell(r["decision_cpu_p50_us"], "{:.1f}"), cell(r["decision_cpu_p99_us"], "{:.1f}"),
                       cell(r["hit_rate"], "{:.4f}"), cell(r["ttft_p99_s"], "{:.1f}", 1e3),
+                      _gc_cell(r),
                       cell(r["loadavg_1m"], "{:.2f}")])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def _gc_cell(r: dict) -> str:
+    if r.get("gc_collections") is None:
+        return "-"
+    return f"{r['gc_collections']} / {r['gc_max_ms']:.1f} / {r['gc_total_ms']:.1f}"
 
 
 def format_profile(result: dict) -> str:

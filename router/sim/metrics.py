@@ -49,6 +49,7 @@ def summarize(result: SimResult, oracle: float) -> dict:
         "imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         "decision_p50_us": float(np.percentile(decisions, 50)),
         "decision_p99_us": float(np.percentile(decisions, 99)),
+        "decision_p999_us": float(np.percentile(decisions, 99.9)),
         "decision_max_us": float(decisions.max()),
         "decision_cpu_p50_us": float(np.percentile(cpu, 50)) if len(cpu) else None,
         "decision_cpu_p99_us": float(np.percentile(cpu, 99)) if len(cpu) else None,

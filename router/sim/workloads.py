@@ -11,11 +11,12 @@ Arrival times are set by `assign_arrivals(trace, rate)`: Poisson for independent
 the previous answer finished (a user cannot send turn k+1 before reading answer k).
 """
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvmesh.hashing import block_hashes
+from kvmesh.hashing import block_hashes, hash_array
 
 VOCAB = 151936
 
@@ -38,8 +39,10 @@ class SimRequest:
     def prompt_token_ids(self) -> list[int]:
         return self.tokens[:self.prompt_len].tolist()
 
-    def prompt_hashes(self, block_size: int) -> list[int]:
-        return self.hashes[:self.prompt_len // block_size].tolist()
+    def prompt_hashes(self, block_size: int) -> array:
+        """The prompt's full blocks' hashes as the router keeps them (kvmesh.hashing.hash_array):
+        from the uint64 array in one copy of bytes (~1 us for 500), not an int object per hash."""
+        return hash_array(self.hashes[:self.prompt_len // block_size])
 
 
 @dataclass

@@ -157,7 +157,7 @@ def test_a_chain_stored_by_the_same_workers_shares_one_run():
     index.apply(batch("w7", 0, stored(H[:3])))
     runs = [index._blocks[h] for h in H]
     assert runs[0] is runs[1] is runs[2] and runs[3] is runs[4] and runs[2] is not runs[3]
-    assert [runs[0].hashes, runs[3].hashes] == [H[:3], H[3:]]
+    assert [list(runs[0].hashes), list(runs[3].hashes)] == [H[:3], H[3:]]
     assert index.overlap(H) == {"w599": 5, "w300": 5, "w7": 3}
     index.apply(batch("w300", 1, BlockRemoved(block_hashes=list(H))))  # removal keeps them shared
     runs = [index._blocks[h] for h in H]
@@ -171,7 +171,7 @@ def test_a_part_of_a_run_stored_or_removed_splits_it_and_the_walk_still_counts_p
     index.apply(batch("a", 0, stored(chain)))
     index.apply(batch("b", 0, stored(chain[:8])))
     index.apply(batch("a", 1, BlockRemoved(block_hashes=chain[4:6])))  # a hole in a's chain
-    assert [index._blocks[h].hashes for h in (chain[0], chain[4], chain[6], chain[8])] == [
+    assert [list(index._blocks[h].hashes) for h in (chain[0], chain[4], chain[6], chain[8])] == [
         chain[:4], chain[4:6], chain[6:8], chain[8:]]
     assert index.overlap(chain) == {"a": 4, "b": 8}
     assert index.overlap(chain[6:]) == {"a": 6, "b": 2}  # a prompt may start inside a run
