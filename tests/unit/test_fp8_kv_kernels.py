@@ -10,13 +10,11 @@ carry): placement, scaling, clamping and skipping, not the hardware's rounding (
 the bytes); and the attention kernels run in float32 over a pool the torch path wrote.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interpret import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -75,12 +73,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(SCRIPT)
 
 
 @pytest.mark.parametrize("case", ["store_float32_1.0", "store_float32_0.5", "store_bfloat16_1.0",

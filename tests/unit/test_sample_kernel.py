@@ -2,13 +2,11 @@
 (TRITON_INTERPRET=1, in a child process: the variable must be set before triton is imported). The
 same kernel at full size on a GPU: tests/gpu/test_fused_sampler.py."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interpret import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -45,12 +43,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(SCRIPT)
 
 
 def test_greedy_rows_are_torch_argmax_with_the_lowest_id_on_ties(result):
