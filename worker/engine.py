@@ -369,8 +369,11 @@ class Engine:
         if req.prompt_logprobs is not None and token_ids and not req.prompt_logprobs_sent:
             prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         token_texts = None
-        if logprob is not None or prompt_logprobs is not None:
-            token_texts = self._texts_of(token_ids if logprob is not None else [], top,
+        # the texts a logprobs answer shows: only for a request that asked (a batch computes the
+        # sampled logprobs of every row when one row needs them, e.g. to rank best_of)
+        asked = logprob is not None and req.sampling_params.logprobs is not None
+        if asked or prompt_logprobs is not None:
+            token_texts = self._texts_of(token_ids if asked else [], top if asked else None,
                                          req.prompt_token_ids if prompt_logprobs is not None else None,
                                          prompt_logprobs)
         return TokenDelta(

@@ -13,9 +13,12 @@ def test_each_delta_carries_the_texts_of_the_tokens_its_logprobs_name():
     prompt = [5, 17, 99, 4, 250, 8]
     engine.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=3,
                                                                  prompt_logprobs=2, ignore_eos=True)))
-    deltas = []
-    while not (deltas and deltas[-1].finished):
-        deltas.extend(d for d in engine.step() if d.request_id == "r")
+    # in the same batch, a request that asked for no logprobs (the batch computes them for every row)
+    engine.add_request(EngineRequest("plain", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)))
+    deltas, plain = [], []
+    while not (deltas and deltas[-1].finished and plain and plain[-1].finished):
+        for d in engine.step():
+            (deltas if d.request_id == "r" else plain).append(d)
     named = 0
     for d in deltas:
         ids = set(d.token_ids)
@@ -30,12 +33,8 @@ def test_each_delta_carries_the_texts_of_the_tokens_its_logprobs_name():
             assert all(d.token_texts[t] == engine.tokenizer.decode([t]) for t in ids)
             named += len(ids)
     assert named > len(prompt)
-    # without logprobs nothing is sent
-    engine.add_request(EngineRequest("plain", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
-    plain = []
-    while not (plain and plain[-1].finished):
-        plain.extend(d for d in engine.step() if d.request_id == "plain")
-    assert all(d.token_texts is None for d in plain)
+    # without logprobs asked nothing is sent
+    assert plain and all(d.token_texts is None for d in plain)
 
 
 def test_merged_deltas_keep_every_text():
