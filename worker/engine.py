@@ -82,10 +82,10 @@ class Engine:
         size = self.config.tensor_parallel_size
         tensor_parallel.check_tensor_parallel(model_config_for(self.config.model), size, self.device,
                                               self.config.torch_compile)
-        port = tensor_parallel.free_port()
-        self._followers = Followers(self.config, port, torch.get_num_threads())
+        rendezvous = tensor_parallel.rendezvous_file()
+        self._followers = Followers(self.config, rendezvous, torch.get_num_threads())
         self.device = tensor_parallel.rank_device(self.device, 0)
-        self.tp = tensor_parallel.init_group(0, size, port, self.device)
+        self.tp = tensor_parallel.init_group(0, size, rendezvous, self.device)
 
     def _abandon_tensor_parallel(self) -> None:
         """This rank failed to start: end the others (blocked in a collective) and leave the group."""

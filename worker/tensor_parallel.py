@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import sys
+import tempfile
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,7 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-RENDEZVOUS_HOST = "127.0.0.1"
+# The ranks of a worker share one node: they meet through a file (torch's FileStore), so nothing
+# listens for the rendezvous (a tcp:// store listens on every interface, whatever host it names),
+# and gloo / NCCL open their own sockets on the loopback interface only (the variables may be set
+# to another interface by whoever starts the engine).
+LOOPBACK_INTERFACE = "lo"
 # A follower that dies leaves the others blocked in a collective; this bounds how long.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -125,21 +130,23 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 # ---- the group -------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((RENDEZVOUS_HOST, 0))
-        return s.getsockname()[1]
+def rendezvous_file() -> str:
+    """A fresh path for the group's FileStore, in a directory only this user can enter."""
+    return os.path.join(tempfile.mkdtemp(prefix="kvmesh-tp-"), "store")
 
 
-def init_group(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
-    """Join the group (rank 0 hosts the rendezvous store on 127.0.0.1:port)."""
+def init_group(rank: int, size: int, rendezvous: str, device: torch.device) -> TensorParallel:
+    """Join the group through the FileStore at `rendezvous` (rendezvous_file)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     if backend == "nccl":  # NVLink multicast (NVLS) stays off on the GPU machines (shared/device/README.md)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=f"tcp://{RENDEZVOUS_HOST}:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
                             world_size=size, timeout=COLLECTIVE_TIMEOUT, **kwargs)
     return TensorParallel(rank, size)
 

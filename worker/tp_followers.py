@@ -1,6 +1,6 @@
 """The follower ranks of a tensor-parallel engine: processes 1..N-1, started by rank 0's Engine.
 
-Each one joins the group (rendezvous on 127.0.0.1), builds its shard of the model from the full
+Each one joins the group (through a file: worker/tensor_parallel.py init_group), builds its shard of the model from the full
 checkpoint, sizes its KV pool with the others, builds a ModelRunner (capturing its CUDA graphs in
 step with rank 0's) and then runs every step rank 0 broadcasts until told to stop. The collectives
 of start-up happen in the same order on every rank: group, KV sizing, graph capture.
@@ -28,10 +28,10 @@ logger = logging.getLogger("kvmesh.engine")
 
 
 class Followers:
-    def __init__(self, config: EngineConfig, port: int, num_threads: int):
+    def __init__(self, config: EngineConfig, rendezvous: str, num_threads: int):
         context = multiprocessing.get_context("spawn")
         self.processes = [
-            context.Process(target=follower_main, args=(config, rank, port, num_threads),
+            context.Process(target=follower_main, args=(config, rank, rendezvous, num_threads),
                             name=f"kvmesh-tp-rank{rank}", daemon=True)
             for rank in range(1, config.tensor_parallel_size)]
         for process in self.processes:
@@ -50,7 +50,7 @@ class Followers:
         return all(p.is_alive() for p in self.processes)
 
 
-def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) -> None:
+def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_threads: int) -> None:
     from kvmesh.worker.kv_sizing import num_kv_blocks
     from kvmesh.worker.kv_cache import kv_cache_torch_dtype
     from kvmesh.worker.model_builder import build_model, resolve_device_dtype
@@ -62,7 +62,7 @@ def follower_main(config: EngineConfig, rank: int, port: int, num_threads: int) 
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     device = rank_device(device, rank)
     try:
-        tp = init_group(rank, config.tensor_parallel_size, port, device)
+        tp = init_group(rank, config.tensor_parallel_size, rendezvous, device)
         loaded = build_model(config.model, device, dtype, config.seed, tp=tp, quantization=config.quantization)
         max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                             loaded.config.max_position_embeddings)

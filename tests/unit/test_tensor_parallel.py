@@ -4,6 +4,7 @@ and chunked prefill on; KV heads fewer than the ranks are replicated; a vocabula
 divide is padded; a size the model cannot take is refused before any process starts."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,18 @@ def test_a_worker_replica_owns_all_its_ranks_gpus():
 
     options = worker_options(parse_config({"engine": {"tensor_parallel_size": 2}, "replicas": {"num_gpus": 2}}))
     assert options["ray_actor_options"]["num_gpus"] == 2
+
+
+def test_the_ranks_listen_on_nothing_beyond_loopback():
+    """The group meets through a file, not a tcp:// store (which listens on every interface), and
+    gloo's sockets stay on the loopback interface: no rank of a TP engine can be reached from
+    another host."""
+    import psutil
+
+    with LLM("random:tiny-qwen3", tensor_parallel_size=2, **ENGINE) as llm:
+        pids = [os.getpid(), *(p.pid for p in llm.engine._followers.processes)]
+        listening = [c.laddr for pid in pids for c in psutil.Process(pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2),
+                            use_tqdm=False)[0].token_ids
+    assert all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
