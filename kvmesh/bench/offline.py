@@ -65,6 +65,11 @@ def add_arguments(p) -> None:
                    help="json: every request's output must match STRUCTURED_SCHEMA (an object holding "
                         "an array of strings), to measure the grammar mask's cost; a request may then "
                         "end before its max_tokens, so output tokens are counted, not checked")
+    p.add_argument("--logprobs-out", default=None, metavar="PATH",
+                   help="after the timed run, score the first --logprobs-prompts prompts (each prompt "
+                        "token's log-probability, greedy, no prefix cache) and write them to PATH as JSON; "
+                        "`kvmesh bench logprob-diff A B` compares two such files (e.g. bf16 against FP8)")
+    p.add_argument("--logprobs-prompts", type=int, default=32, help="prompts scored for --logprobs-out (default 32)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -124,6 +129,8 @@ def run(args) -> int:
     output_tokens = sum(len(o.token_ids) for o in outputs)
     if structured is None and output_tokens != workload.num_output_tokens:
         raise RuntimeError(f"engine produced {output_tokens} tokens, the workload asks {workload.num_output_tokens}")
+    if args.logprobs_out:
+        _write_prompt_logprobs(llm, workload.prompts[:args.logprobs_prompts], args)
     cfg = engine.model_config
     moe = dict(num_experts=cfg.moe.num_experts, experts_per_token=cfg.moe.num_experts_per_tok,
                expert_intermediate_size=cfg.moe.expert_intermediate_size,
@@ -175,6 +182,24 @@ def run(args) -> int:
     else:
         print_table(result)
     return 0
+
+
+def _write_prompt_logprobs(llm, prompts: list[list[int]], args) -> None:
+    """Each prompt token's log-probability (entry 0 has no context and is left out), written with
+    what the engine ran, for `kvmesh bench logprob-diff`."""
+    from kvmesh import SamplingParams
+
+    if args.logprobs_prompts < 1:
+        raise ValueError(f"--logprobs-prompts must be >= 1, got {args.logprobs_prompts}")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    config = llm.engine.config
+    record = {"model": args.model, "attention_backend": llm.engine.runner.backend.name,
+              "kv_cache_dtype": config.kv_cache_dtype, "quantization": config.quantization,
+              "prompt_lengths": [len(p) for p in prompts],
+              "prompt_logprobs": [o.prompt_logprobs.logprobs[1:] for o in outputs]}
+    with open(args.logprobs_out, "w") as f:
+        json.dump(record, f)
 
 
 def _workload(args):

@@ -15,6 +15,12 @@ def register(subparsers) -> None:
     p = sub.add_parser("latency", help="TPOT at batch 1 and TTFT of a 1024-token prompt")
     latency.add_arguments(p)
     p.set_defaults(handler=latency.run)
+    from kvmesh.bench import logprob_diff
+
+    p = sub.add_parser("logprob-diff", help="compare two `bench offline --logprobs-out` files token by token",
+                       description=logprob_diff.__doc__.split("\n\n")[0])
+    logprob_diff.add_arguments(p)
+    p.set_defaults(handler=logprob_diff.run)
     from kvmesh.bench import serve, soak  # both import only argparse-level modules at import time
 
     p = sub.add_parser("serve", help="open-loop HTTP benchmark of a cluster, per routing policy",

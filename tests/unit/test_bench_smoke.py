@@ -120,3 +120,26 @@ def test_floor_of_a_moe_model_reads_only_the_experts_its_tokens_can_reach():
     assert shape.weight_bytes_for(1) == (dense_layer + 10 * 8 + sparse_fixed + 2 * expert) * 2
     assert shape.weight_bytes_for(2) == (dense_layer + 10 * 8 + sparse_fixed + 3 * expert) * 2
     assert shape.weight_bytes == (dense_layer + 10 * 8 + sparse_fixed + 4 * expert) * 2
+
+
+def test_logprobs_out_and_logprob_diff_measure_fp8_weights_against_bf16(capsys, tmp_path):
+    """The figure issue 17 asks for (FP8 against bf16 on nano-vllm's prompts) comes from two offline
+    runs with --logprobs-out and `bench logprob-diff`: the same run twice differs by nothing, FP8
+    weights by a small non-zero amount."""
+    small = ["--num-prompts", "3", "--max-input-len", "24", "--max-output-len", "6", "--min-len", "4",
+             "--logprobs-prompts", "2", "--json"]
+    files = {}
+    for name, extra in (("bf16", []), ("bf16_again", []), ("fp8", ["--quantization", "fp8"])):
+        files[name] = tmp_path / f"{name}.json"
+        run_json(capsys, ["bench", "offline", *TINY, *small, *extra, "--logprobs-out", str(files[name])])
+    record = json.loads(files["fp8"].read_text())
+    expected = nano_vllm_workload(3, 24, 6, 4)
+    assert record["quantization"] == "fp8" and record["prompt_lengths"] == [len(p) for p in expected.prompts[:2]]
+    assert [len(lp) for lp in record["prompt_logprobs"]] == [n - 1 for n in record["prompt_lengths"]]
+    same = run_json(capsys, ["bench", "logprob-diff", str(files["bf16"]), str(files["bf16_again"]), "--json"])
+    assert same["max_abs_diff"] == 0.0 and same["tokens"] == sum(n - 1 for n in record["prompt_lengths"])
+    fp8 = run_json(capsys, ["bench", "logprob-diff", str(files["bf16"]), str(files["fp8"]), "--json"])
+    assert 0 < fp8["mean_abs_diff"] <= fp8["p99_abs_diff"] <= fp8["max_abs_diff"] < 0.1
+    assert fp8["runs"]["quantization"] == [None, "fp8"]
+    assert main(["bench", "logprob-diff", str(files["bf16"]), str(files["fp8"])]) == 0
+    assert "max" in capsys.readouterr().out

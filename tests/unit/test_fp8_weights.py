@@ -1,6 +1,8 @@
 """FP8 (e4m3) weights, `quantization="fp8"`, on the CPU: the reference path computes the function the
-GPU's torch._scaled_mm computes (both operands quantized per tensor, float32 accumulation), so these
-tolerances are the FP8 error itself. The GPU side is tests/gpu/test_fp8_weights_gpu.py."""
+GPU's torch._scaled_mm computes (weights quantized per tensor, activations per token, float32
+accumulation), so these tolerances are the FP8 error itself. The GPU side is tests/gpu/test_fp8_weights_gpu.py."""
+
+import textwrap
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.config import EngineConfig
 from kvmesh.serve_config import parse_config
 from kvmesh.worker.layers.fp8 import (FP8_DTYPE, FP8_MAX, check_quantization, dequantize, fp8_linear,
-                                      quantize_per_tensor)
+                                      quantize_per_tensor, quantize_per_token)
+from tests.triton_interpret import run_interpreted
 from kvmesh.worker.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from kvmesh.worker.model_builder import build_model
 
@@ -73,11 +76,62 @@ def test_fp8_linear_is_the_product_of_the_quantized_operands():
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(7, 64, generator=generator).to(torch.bfloat16)
     w_q, w_scale = quantize_per_tensor(torch.randn(32, 64, generator=generator))
-    x_q, x_scale = quantize_per_tensor(x)
+    x_q, x_scale = quantize_per_token(x)
     expected = (dequantize(x_q, x_scale) @ dequantize(w_q, w_scale).t()).to(torch.bfloat16)
     out = fp8_linear(x, w_q, w_scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=1e-6)
+
+
+def test_activations_take_one_scale_per_token():
+    """A row's scale is its own amax / 448: an outlier token does not coarsen the other rows (as one
+    scale per tensor would), and a padding row of a CUDA-graph batch changes no real row."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=generator)
+    q, scale = quantize_per_token(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (4, 1) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale[:, 0], x.abs().amax(dim=1) / FP8_MAX, rtol=2 ** -23, atol=0)
+    with_outlier = torch.cat([x, torch.full((1, 64), 1e4)])
+    q2, scale2 = quantize_per_token(with_outlier)
+    assert torch.equal(scale2[:4], scale) and torch.equal(q2[:4].float(), q.float())
+    assert (dequantize(q, scale) - x).abs().max() <= E4M3_RELATIVE_ERROR * x.abs().max()
+
+
+def test_the_triton_row_quantizer_computes_the_torch_numbers():
+    """kvmesh.kernels.fp8_quant under Triton's interpreter against quantize_per_token's torch form.
+    The interpreter rounds ties away from zero and drops the carry into the next power of two (see
+    test_fp8_kv_kernels.py), so the bytes are compared exactly on rows whose values round down (e4m3
+    values nudged up by under a quarter step, times a power of two, 448 in each row: the scale is
+    exact); on random rows, the scales exactly and most bytes. On the GPU every byte is compared
+    (tests/gpu/test_fp8_weights_gpu.py). A row longer than one block; an all-zero row."""
+    result = run_interpreted(textwrap.dedent("""
+        import json, torch
+        from kvmesh.kernels.fp8_quant import quantize_rows
+        from kvmesh.worker.layers.fp8 import _MIN_SCALE, quantize_per_token_torch
+        out = {}
+        gen = torch.Generator().manual_seed(0)
+        e4m3 = torch.arange(1, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # up to 416
+        grid = torch.cat([e4m3, -e4m3, torch.tensor([0.0])])
+        grid = grid * (1 + torch.rand(grid.shape, generator=gen) * 2 ** -6)
+        rows = torch.stack([torch.cat([grid, torch.tensor([448.0])]) * s for s in (1.0, 2.0 ** -5, 2.0 ** 7)])
+        q, scale = quantize_rows(rows, _MIN_SCALE)
+        q_ref, scale_ref = quantize_per_token_torch(rows)
+        out["grid"] = dict(bytes_equal=torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)),
+                           scales=scale[:, 0].tolist())
+        for cols in (48, 9000):  # 9000 > MAX_BLOCK: read in two blocks
+            x = torch.randn(3, cols, generator=gen) * torch.tensor([[1.0], [300.0], [0.0]])
+            q, scale = quantize_rows(x, _MIN_SCALE)
+            q_ref, scale_ref = quantize_per_token_torch(x)
+            out[cols] = dict(scales_equal=torch.equal(scale, scale_ref), shape=list(scale.shape),
+                             equal_share=(q.float() == q_ref.float()).float().mean().item(),
+                             zero_row=bool((q[2].float() == 0).all()))
+        print(json.dumps(out))
+    """))
+    grid = result.pop("grid")
+    assert grid["bytes_equal"] and grid["scales"] == [1.0, 2.0 ** -5, 2.0 ** 7]
+    for cols, r in result.items():
+        assert r["scales_equal"] and r["shape"] == [3, 1] and r["zero_row"], (cols, r)
+        assert r["equal_share"] > 0.95, (cols, r)
 
 
 # ---- the model --------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         if self.bias is not None:
             _attach(self.bias, self.load, (sum(output_sizes),), self.load_parts)
-        self.register_buffer("weight_scale", None)  # [1] float32 once quantized to FP8
+        self.register_buffer("weight_scale", None)  # [1, out] float32 once quantized to FP8 (one value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weight, self.weight_scale, self.bias)
@@ -125,7 +125,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size // self.tp.size))
         _attach(self.weight, self.load, (output_size, input_size))
-        self.register_buffer("weight_scale", None)  # [1] float32 once quantized to FP8
+        self.register_buffer("weight_scale", None)  # [1, out] float32 once quantized to FP8 (one value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(_linear(x, self.weight, self.weight_scale))
