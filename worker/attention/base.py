@@ -14,7 +14,7 @@ Attention is causal over the whole context.
 """
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -22,6 +22,7 @@ import torch
 
 from kvmesh.worker.attention.registry import check_supported, dtype_name
 from kvmesh.worker.kv_cache import is_fp8, kv_cache_torch_dtype
+from kvmesh.worker.scoped_context import scoped
 
 
 @dataclass
@@ -95,14 +96,9 @@ class ForwardContext:
 _forward_context: ContextVar[ForwardContext | None] = ContextVar("kvmesh_forward_context", default=None)
 
 
-@contextmanager
-def forward_context(ctx: ForwardContext):
+def forward_context(ctx: ForwardContext) -> AbstractContextManager[ForwardContext]:
     """Scope the step's attention metadata to one model forward (no bare module global)."""
-    token = _forward_context.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _forward_context.reset(token)
+    return scoped(_forward_context, ctx)
 
 
 def get_forward_context() -> ForwardContext:
