@@ -280,9 +280,7 @@ class Ingress(GrpcService, HealthService):
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a prompt or chat messages, tokenized as the generation endpoints do."""
         try:
-            self.pipeline.authorize("api", request.headers.get("authorization"))
-            req = tokenize_api.parse(await self._json(request), tokenize_api.TokenizeCompletion)
-            self.frontend.check_model(req.model)
+            req = await self._tokenizer_request(request, tokenize_api.TokenizeCompletion)
             if isinstance(req, tokenize_api.TokenizeChat):
                 ids = await self.frontend.encode_chat(chat_prompt_text(req.messages))
             else:
@@ -298,9 +296,7 @@ class Ingress(GrpcService, HealthService):
     async def detokenize(self, request: Request):
         """vLLM's /detokenize: token ids -> {"prompt": text}."""
         try:
-            self.pipeline.authorize("api", request.headers.get("authorization"))
-            req = tokenize_api.parse(await self._json(request), tokenize_api.Detokenize)
-            self.frontend.check_model(req.model)
+            req = await self._tokenizer_request(request, tokenize_api.Detokenize)
             info = await self.frontend.model_info()
             vocab = info.vocab_size or len(self.frontend.tokenizer)
             bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -427,6 +423,13 @@ class Ingress(GrpcService, HealthService):
     async def _parse(self, request: Request, kind: str):
         return parse_request(await self._json(request),
                              ChatCompletionRequest if kind == "chat" else CompletionRequest)
+
+    async def _tokenizer_request(self, request: Request, cls):
+        """The body of an authorized /tokenize or /detokenize request as `cls`, for the served model."""
+        self.pipeline.authorize("api", request.headers.get("authorization"))
+        req = tokenize_api.parse(await self._json(request), cls)
+        self.frontend.check_model(req.model)
+        return req
 
     async def _json(self, request: Request):
         try:

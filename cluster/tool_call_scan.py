@@ -182,6 +182,11 @@ class AutoCalls:
         self._sent = len(self.text)
         return [{"content": rest}] if rest else []
 
+    def _read_call_at(self, pos: int) -> None:
+        """Go on in `call` mode: a call's JSON object starts at `pos`."""
+        self._pos, self._mode = pos, "call"
+        self._scan, self._scan_call = CallScan(), None
+
     # ---- modes: each reads from self._pos and returns whether to go on --------------------------
 
     def _start(self, out) -> bool:
@@ -211,8 +216,7 @@ class AutoCalls:
             self._sent = end
         if found < 0:
             return False
-        self._pos, self._mode = found + len(OPEN), "call"
-        self._scan, self._scan_call = CallScan(), None
+        self._read_call_at(found + len(OPEN))
         return True
 
     def _hermes(self, out) -> bool:
@@ -221,8 +225,7 @@ class AutoCalls:
         found = self.text.find(OPEN, self._pos)
         if found < 0:
             return False
-        self._pos, self._mode = found + len(OPEN), "call"
-        self._scan, self._scan_call = CallScan(), None
+        self._read_call_at(found + len(OPEN))
         return True
 
     def _json(self, out) -> bool:
@@ -240,7 +243,7 @@ class AutoCalls:
         if stripped[0] != "{":
             self._mode = "junk"
             return False
-        self._mode, self._scan, self._scan_call = "call", CallScan(), None
+        self._read_call_at(self._pos)
         return True
 
     def _call(self, out) -> bool:

@@ -1,19 +1,20 @@
 """Random-weight model presets (`random:<name>`): real architectures with random weights, for tests
 and benchmarks. The tokenizer is a byte-level one built locally (no download)."""
 
+# What Qwen3's dense checkpoints share; a preset of that family adds its sizes.
+QWEN3_DENSE = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960)
+
 PRESETS = {
     # The benchmark shape of DESIGN.md "Performance".
     "qwen3-0.6b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
-        tie_word_embeddings=True),
+        QWEN3_DENSE, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
     # Qwen3-8B's shape (untied), for tensor parallelism on 2 GPUs (issue 17).
     "qwen3-8b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
-        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
-        tie_word_embeddings=False),
+        QWEN3_DENSE, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
     "tiny-qwen3": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

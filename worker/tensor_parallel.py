@@ -18,12 +18,14 @@ import datetime
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from kvmesh.worker.scoped_context import scoped
 
 # The ranks of a worker share one node: they meet through a file (torch's FileStore), so nothing
 # listens for the rendezvous (a tcp:// store listens on every interface, whatever host it names),
@@ -63,14 +65,9 @@ SINGLE = TensorParallel()
 _current: ContextVar[TensorParallel] = ContextVar("kvmesh_tensor_parallel", default=SINGLE)
 
 
-@contextmanager
-def building_with(tp: TensorParallel):
+def building_with(tp: TensorParallel) -> AbstractContextManager[TensorParallel]:
     """Build a model's layers for this rank (the parallel layers read it in their __init__)."""
-    token = _current.set(tp)
-    try:
-        yield tp
-    finally:
-        _current.reset(token)
+    return scoped(_current, tp)
 
 
 def current() -> TensorParallel:

@@ -87,6 +87,8 @@ def engine_args(args) -> dict:
 
 
 def run(args) -> int:
+    """Run nano-vllm's benchmark workload through the engine in this process; print output and total
+    tok/s and the ratio to the hardware floor."""
     import torch
 
     from kvmesh import LLM, SamplingParams, StructuredOutputs

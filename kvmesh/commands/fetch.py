@@ -4,19 +4,20 @@ container that fills a shared model volume before Ray starts."""
 
 import json
 
+from kvmesh.commands import add_command
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "fetch", help="download or convert a model into the local cache, ready to serve",
-        description="Fetch MODEL into the local cache: a hub id (org/name[@revision]; HF_ENDPOINT, "
-                    "HF_TOKEN and HF_HOME apply), the default model (converted once), a .gguf file or "
-                    "a model directory (checked). Prints the directory the engine will load.")
+    p = add_command(subparsers, "fetch", run,
+                    help="download or convert a model into the local cache, ready to serve")
     p.add_argument("model", help="hub id, smollm2-135m-instruct, a .gguf file or a model directory")
     p.add_argument("--json", action="store_true", help="print {model, name, path} as JSON")
-    p.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    """Fetch MODEL into the local cache: a hub id (org/name[@revision]; HF_ENDPOINT, HF_TOKEN and
+    HF_HOME apply), the default model (converted once), a .gguf file or a model directory (checked).
+    Prints the directory the engine will load."""
     from kvmesh.worker.loader import load_hf_config, resolve_model
 
     source = resolve_model(args.model)

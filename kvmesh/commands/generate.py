@@ -2,10 +2,12 @@
 
 import sys
 
+from kvmesh.commands import add_command
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt on this machine (no cluster)",
-                              description="Generate text from PROMPT with the local engine, streaming it.")
+    p = add_command(subparsers, "generate", run,
+                    help="generate text from a prompt on this machine (no cluster)")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--model", default=None,
                    help="model: smollm2-135m-instruct (default), a Hugging Face directory, a .gguf file, "
@@ -19,10 +21,10 @@ def register(subparsers) -> None:
                    help="apply the model's chat template (the default for models that have one)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    """Generate text from PROMPT with the local engine, streaming it."""
     from kvmesh import LLM, SamplingParams
 
     if not args.prompt.strip():

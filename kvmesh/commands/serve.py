@@ -6,13 +6,11 @@ Only argparse here; Ray, Serve and gRPC are imported inside the handlers.
 import argparse
 import sys
 
+from kvmesh.commands import add_command
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "serve", help="serve a model on Ray Serve (OpenAI HTTP + gRPC)",
-        description="Start a local Ray (or join --address) and deploy the kvmesh cluster: worker "
-                    "replicas routed by KV events, an OpenAI-compatible HTTP API and a gRPC API. "
-                    "Without a config it serves the default model on one replica.")
+    p = add_command(subparsers, "serve", run_serve, help="serve a model on Ray Serve (OpenAI HTTP + gRPC)")
     p.add_argument("config", nargs="?", help="serving config YAML (see deploy/serve.yaml)")
     p.add_argument("--replicas", type=int, help="worker replicas (replicas.num_replicas)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
@@ -32,9 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--emit-serve-config", nargs="?", const="-", metavar="PATH",
                    help="write the equivalent Serve config (for `serve deploy`) to PATH or stdout "
                         "and exit")
-    p.set_defaults(handler=run_serve)
 
-    c = subparsers.add_parser("client", help="stream a completion from a running kvmesh cluster")
+    c = add_command(subparsers, "client", run_client,
+                    help="stream a completion from a running kvmesh cluster")
     c.add_argument("prompt", help="the user message (chat) or prompt text (--raw)")
     c.add_argument("--grpc", action="store_true", help="use the gRPC API instead of HTTP")
     c.add_argument("--url", default="http://127.0.0.1:8000/v1", help="OpenAI base URL (HTTP)")
@@ -45,11 +43,9 @@ def register(subparsers) -> None:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--api-key", default=None,
                    help="bearer token to send (default: $KVMESH_API_KEY)")
-    c.set_defaults(handler=run_client)
 
-    s = subparsers.add_parser("status", help="replicas, load, KV usage and hit rates of a running cluster",
-                              description="A table of the cluster's worker replicas: health, running and "
-                                          "waiting requests, KV usage, prefix hit rate.")
+    s = add_command(subparsers, "status", run_status,
+                    help="replicas, load, KV usage and hit rates of a running cluster")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the HTTP API (default)")
     s.add_argument("--address", default=None,
                    help="a Ray cluster address (e.g. auto, or HOST:6379): read the workers from the cluster "
@@ -57,7 +53,6 @@ def register(subparsers) -> None:
     s.add_argument("--app-name", default="kvmesh", help="Serve application name (with --address)")
     s.add_argument("--api-key", default=None, help="bearer token to send (default: $KVMESH_API_KEY)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(handler=run_status)
 
 
 def load_with_overrides(args):
@@ -89,6 +84,9 @@ def load_with_overrides(args):
 
 
 def run_serve(args) -> int:
+    """Start a local Ray (or join --address) and deploy the kvmesh cluster: worker replicas routed by
+    KV events, an OpenAI-compatible HTTP API and a gRPC API. Without a config it serves the default
+    model on one replica."""
     cfg = load_with_overrides(args)
     if args.emit_serve_config:
         import yaml
@@ -148,6 +146,8 @@ def run_client(args) -> int:
 
 
 def run_status(args) -> int:
+    """A table of the cluster's worker replicas: health, running and waiting requests, KV usage,
+    prefix hit rate."""
     import json
 
     from kvmesh.cluster.status import format_table

@@ -5,14 +5,14 @@ import ast
 import json
 import sys
 
+from kvmesh.commands import add_command
+
 WORKLOAD_CHOICES = ("tenants", "multiturn", "prefix_repetition", "random")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "sim", help="simulate a cluster of workers and compare routing policies",
-        description="Discrete-event simulation of N workers (H200 / Qwen3-0.6B calibration) routed by "
-                    "the real kvmesh router. See docs/ROUTING.md.")
+    p = add_command(subparsers, "sim", _run,
+                    help="simulate a cluster of workers and compare routing policies")
     p.add_argument("--workers", type=int, default=16, help="number of workers (default 16)")
     p.add_argument("--policy", default="kv_events",
                    help="a routing policy (kvmesh.router.policies.POLICIES), a comma-separated list of them, "
@@ -62,7 +62,6 @@ def register(subparsers) -> None:
                    help="with --autoscale: an autoscaling config field (min_replicas=0, upscale_delay_s=5, "
                         "ttft_p90_target_s=1.0, ...), startup_s, tick_s, max_ongoing_requests, or the "
                         "burst profile's period_s, burst_s, base_load; repeatable")
-    p.set_defaults(handler=_run)
 
 
 def parse_workload_options(pairs: list[str]) -> dict:
@@ -79,6 +78,8 @@ def parse_workload_options(pairs: list[str]) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Discrete-event simulation of N workers (H200 / Qwen3-0.6B calibration) routed by the real
+    kvmesh router. See docs/ROUTING.md."""
     from kvmesh.router.gc_tuning import tune_gc_for_routing
 
     tune_gc_for_routing()  # as a cluster's routing process runs (decision times: router/gc_tuning.py)

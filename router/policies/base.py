@@ -44,6 +44,14 @@ class Policy:
         """A worker left."""
 
 
+class SeededPolicy(Policy):
+    """A policy that draws from a random generator of its own (tie breaks, samples), seeded by
+    make_policy's `seed` so that a simulation repeats."""
+
+    def __init__(self, seed: int | None = None):
+        self._rng = np.random.default_rng(seed)
+
+
 def rank_by_score(score: np.ndarray, cols: LoadColumns, rng: np.random.Generator) -> list[str]:
     """Eligible workers by ascending score (a tie for the best broken at random), then spill-over."""
     order, eligible = order_by_score(score, cols, rng)

@@ -2,17 +2,12 @@
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from kvmesh.router.policies.base import Policy, RouteRequest, rank_by_score
+from kvmesh.router.policies.base import RouteRequest, SeededPolicy, rank_by_score
 from kvmesh.router.workers import WorkerState, columns_of
 
 
-class LeastLoadedPolicy(Policy):
+class LeastLoadedPolicy(SeededPolicy):
     name = "least_loaded"
-
-    def __init__(self, seed: int | None = None):
-        self._rng = np.random.default_rng(seed)
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         cols = columns_of(workers)

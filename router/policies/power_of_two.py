@@ -4,15 +4,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.router.policies.base import Policy, RouteRequest, ranked_order
+from kvmesh.router.policies.base import RouteRequest, SeededPolicy, ranked_order
 from kvmesh.router.workers import WorkerState, columns_of
 
 
-class PowerOfTwoPolicy(Policy):
+class PowerOfTwoPolicy(SeededPolicy):
     name = "power_of_two"
-
-    def __init__(self, seed: int | None = None):
-        self._rng = np.random.default_rng(seed)
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         cols = columns_of(workers)

@@ -14,18 +14,28 @@ Measured ceilings (../shared/device/README.md, 2026-11-30): copy 4.23 TB/s, bf16
 
 from dataclasses import dataclass, field
 
+from kvmesh.worker.presets import PRESETS
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    name: str = "qwen3-0.6b"
-    num_layers: int = 28
-    hidden_size: int = 1024
-    intermediate_size: int = 3072
-    num_q_heads: int = 16
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    vocab_size: int = 151936
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
     dtype_bytes: int = 2  # bf16
+
+    @classmethod
+    def of_preset(cls, name: str) -> "ModelShape":
+        """The shape of a random-weight model preset (kvmesh.worker.presets), as the engine runs it."""
+        config = PRESETS[name]
+        return cls(name, config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+                   config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+                   config["vocab_size"])
 
     @property
     def layer_params(self) -> int:
@@ -68,7 +78,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class CostModel:
-    model: ModelShape = field(default_factory=ModelShape)
+    model: ModelShape = field(default_factory=lambda: ModelShape.of_preset("qwen3-0.6b"))
     hardware: Hardware = field(default_factory=Hardware)
     block_size: int = 16
 

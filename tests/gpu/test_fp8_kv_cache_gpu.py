@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from attention_cases import fp8_case, make_case, reference_attention, relative_error
-from kvmesh import LLM, SamplingParams
+from kvmesh import LLM
 from kvmesh.worker.kv_cache import quantize_fp8
+from qwen3_greedy import MODEL, PROMPTS, generate_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -87,8 +88,6 @@ def test_flash_attn_refuses_an_fp8_cache():
             kv_cache_dtype="fp8")
 
 
-MODEL = "random:qwen3-0.6b"
-PROMPTS = [[(17 * i + 3 * j) % 10000 for j in range(n)] for i, n in enumerate((5, 77, 300, 1000))]
 NEAR_TIE_NATS = 0.05  # as test_greedy_qwen3: the same FP8 values, kernels differing in bf16 arithmetic
 # FP8 vs bf16 KV: tolerances stated before any GPU measurement (the CPU tiny model saw <= 0.01 nats);
 # the printed figures belong in docs/PERF.md, and the bounds may be tightened to them.
@@ -98,26 +97,14 @@ FP8_NEAR_TIE_NATS = 0.5
 TOP_K = 8
 
 
-def run(backend, kv_cache_dtype, prompts=PROMPTS, max_tokens=64, logprobs=None, prompt_logprobs=None):
-    llm = LLM(model=MODEL, device="cuda", attention_backend=backend, block_size=16, kv_cache_dtype=kv_cache_dtype,
-              kv_cache_memory_bytes=2 << 30, max_model_len=2048, max_num_seqs=8)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return outs
-
-
 @pytest.fixture(scope="module")
 def bf16_reference():
-    return run("torch", "auto", logprobs=TOP_K)
+    return generate_greedy("torch", logprobs=TOP_K)
 
 
 @pytest.fixture(scope="module")
 def fp8_reference():
-    return run("torch", "fp8", logprobs=TOP_K)
+    return generate_greedy("torch", kv_cache_dtype="fp8", logprobs=TOP_K)
 
 
 def first_divergence(ref, out):
@@ -132,7 +119,7 @@ def first_divergence(ref, out):
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_fp8_greedy_tokens_match_the_torch_backend_with_fp8(fp8_reference, backend):
     installed(backend)
-    outs = run(backend, "fp8")
+    outs = generate_greedy(backend, kv_cache_dtype="fp8")
     for prompt_index, (ref, out) in enumerate(zip(fp8_reference, outs)):
         assert len(out.token_ids) == 64
         divergence = first_divergence(ref, out)
@@ -146,7 +133,7 @@ def test_fp8_greedy_tokens_match_the_torch_backend_with_fp8(fp8_reference, backe
 def test_fp8_logprobs_stay_within_tolerance_of_bf16(bf16_reference, backend):
     installed(backend)
     # greedy: diverging from the bf16 run only where it had a near-tie
-    outs = run(backend, "fp8")
+    outs = generate_greedy(backend, kv_cache_dtype="fp8")
     agreed = 0
     for prompt_index, (ref, out) in enumerate(zip(bf16_reference, outs)):
         divergence = first_divergence(ref, out)
@@ -157,7 +144,7 @@ def test_fp8_logprobs_stay_within_tolerance_of_bf16(bf16_reference, backend):
             assert gap < FP8_NEAR_TIE_NATS, f"prompt {prompt_index} diverges at token {i} (gap {gap:.4f})"
     # teacher-forced: the bf16 run's tokens scored with each KV dtype, position by position
     forced = [p + r.token_ids for p, r in zip(PROMPTS, bf16_reference)]
-    scored = {kv: run(b, kv, forced, max_tokens=1, prompt_logprobs=0)
+    scored = {kv: generate_greedy(b, forced, max_tokens=1, kv_cache_dtype=kv, prompt_logprobs=0)
               for kv, b in (("auto", "torch"), ("fp8", backend))}
     diffs, continuation = [], []
     for prompt, ref, out in zip(PROMPTS, scored["auto"], scored["fp8"]):

@@ -31,13 +31,6 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def openai_client(cluster):
-    import openai
-
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
-
-
 def post(cluster, path, body, timeout=120):
     req = urllib.request.Request(cluster.http_url + path, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})

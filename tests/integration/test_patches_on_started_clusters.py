@@ -2,20 +2,16 @@
 start (docs/SERVING.md "What the patches cover"; docs/DEPLOY.md).
 
 A Ray head starts on 127.0.0.1 with exactly the environment of deploy/aws.yaml's head `ray start`
-(its NODE_ENV included), in a PID namespace of its own (test_fake_cluster.PidNamespace), as
-test_ray_token_auth.py starts it. Then a plain driver, which sets no runtime_env and no kvmesh
+(its NODE_ENV included), in a PID namespace of its own (aws_ray_head.py, as test_ray_token_auth.py
+starts it). Then a plain driver, which sets no runtime_env and no kvmesh
 variable, starts Serve's proxies as `serve deploy` or KubeRay's RayService would: the HTTP proxy
 answers a request head over 64 KiB with 431, a limit only the patch gives it (Serve's own proxy
 reads the whole head and answers it, here 404: no app). Without the node's hook variable, the same
 head gets 404 from the same kind of cluster, so the variable is what brings the limit.
 """
 
-import os
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,12 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # deploy_support
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # raw_http
 
-from deploy_support import load, ray_start_commands, ray_start_env  # noqa: E402
+from aws_ray_head import aws_ray_head  # noqa: E402
 from raw_http import connect, request  # noqa: E402
-from test_fake_cluster import PidNamespace, free_port  # noqa: E402
+from test_fake_cluster import free_port  # noqa: E402
 
 from kvmesh.cluster.ray_patches import SETUP_HOOK_ENV  # noqa: E402
 
@@ -51,33 +46,10 @@ print("proxies started", flush=True)
 def ray_head(tmp_path, with_hook: bool):
     """A Ray head started as deploy/aws.yaml's head starts it (without its hook variable unless
     `with_hook`); yields (namespace, GCS address, the environment of a client on the node)."""
-    home = tmp_path / "home"
-    (home / ".ray").mkdir(parents=True)
-    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    head_env = {name: value.replace("$HOME", str(home))
-                for name, value in ray_start_env(ray_start_commands(load("aws.yaml"))["head"]).items()}
-    if not with_hook:
-        del head_env[SETUP_HOOK_ENV]
-    gcs_port = free_port()
-    ray_temp = tempfile.mkdtemp(prefix="kvp")  # Ray's socket paths must stay short
-    base_env = {name: value for name, value in os.environ.items()
-                if not name.startswith(("RAY_", "KVMESH_", "__RAY"))}
-    base_env |= {"HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    namespace = PidNamespace()
-    ray = str(Path(sys.executable).with_name("ray"))
-    try:
-        start = subprocess.run(namespace.command([
-            ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=4",
-            "--include-dashboard=false", f"--object-store-memory={100 << 20}", f"--temp-dir={ray_temp}"]),
-            env=base_env | head_env, capture_output=True, text=True, timeout=180)
-        assert start.returncode == 0, start.stdout + start.stderr
-        # a client of the cluster, as on a node's shell (deploy/aws.yaml's ~/.bashrc): the token only
-        client_env = base_env | {"RAY_AUTH_MODE": "token",
-                                 "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")}
-        yield namespace, f"127.0.0.1:{gcs_port}", client_env
-    finally:
-        namespace.close()
-        shutil.rmtree(ray_temp, ignore_errors=True)
+    with aws_ray_head(tmp_path, ["--num-cpus=4", "--include-dashboard=false"],
+                      leave_out_env=("RAY_", "KVMESH_", "__RAY"),
+                      leave_out_head_env=() if with_hook else (SETUP_HOOK_ENV,)) as head:
+        yield head.namespace, head.gcs_address, head.shell_env
 
 
 @pytest.fixture(params=["node env of deploy/aws.yaml", "without the hook variable"])

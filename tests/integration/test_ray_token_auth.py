@@ -9,22 +9,15 @@ port needs none, and a client with the token file of deploy/aws.yaml's `~/.bashr
 through.
 """
 
-import os
 import secrets
-import shutil
 import subprocess
-import sys
-import tempfile
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # deploy_support
-
-from deploy_support import load, ray_start_commands, ray_start_env  # noqa: E402
-from test_fake_cluster import PidNamespace, free_port, wait_for  # noqa: E402
+from aws_ray_head import aws_ray_head
+from test_fake_cluster import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,35 +34,17 @@ def http_status(url: str, headers: dict | None = None) -> int:
 
 @pytest.fixture
 def token_cluster(tmp_path):
-    home = tmp_path / "home"
-    (home / ".ray").mkdir(parents=True)
-    token = secrets.token_hex(32)
-    (home / ".ray" / "auth_token").write_text(token)  # where file_mounts puts the operator's token
-    head_env = {name: value.replace("$HOME", str(home))
-                for name, value in ray_start_env(ray_start_commands(load("aws.yaml"))["head"]).items()}
-    ports = {name: free_port() for name in ("gcs", "dashboard", "client", "agent", "metrics")}
-    ray_temp = tempfile.mkdtemp(prefix="kva")  # Ray's socket paths must stay short
-    base_env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_AUTH")}
-    base_env |= {"HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    namespace = PidNamespace()
-    ray = str(Path(sys.executable).with_name("ray"))
-    try:
-        start = subprocess.run(namespace.command([
-            ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}", "--num-cpus=1",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+    ports = {name: free_port() for name in ("dashboard", "client", "agent", "metrics")}
+    with aws_ray_head(tmp_path, [
+            "--num-cpus=1", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
             f"--ray-client-server-port={ports['client']}", f"--dashboard-agent-listen-port={ports['agent']}",
-            f"--metrics-export-port={ports['metrics']}", f"--object-store-memory={100 << 20}",
-            f"--temp-dir={ray_temp}"]),
-            env=base_env | head_env, capture_output=True, text=True, timeout=180)
-        assert start.returncode == 0, start.stdout + start.stderr
-        yield {"ports": ports, "token": token, "env": base_env, "home": home, "ray": ray, "namespace": namespace}
-    finally:
-        namespace.close()
-        shutil.rmtree(ray_temp, ignore_errors=True)
+            f"--metrics-export-port={ports['metrics']}"], leave_out_env=("RAY_AUTH",)) as head:
+        yield head, ports | {"gcs": head.gcs_port}
 
 
 def test_the_ray_up_head_environment_makes_every_ray_port_ask_for_the_token(token_cluster):
-    ports, token, env, ray = (token_cluster[k] for k in ("ports", "token", "env", "ray"))
+    head, ports = token_cluster
+    token, env, ray = head.token, head.env, head.ray
     dashboard = f"http://127.0.0.1:{ports['dashboard']}/api/version"
     wait_for("the dashboard", lambda: http_status(dashboard) != 0, 60)
     assert http_status(dashboard) == 401
@@ -80,12 +55,11 @@ def test_the_ray_up_head_environment_makes_every_ray_port_ask_for_the_token(toke
     assert http_status(f"{agent}/api/v0/anything") == 401
 
     def ray_status(extra_env: dict) -> subprocess.CompletedProcess:
-        return subprocess.run(token_cluster["namespace"].command([ray, "status", f"--address=127.0.0.1:{ports['gcs']}"]),
+        return subprocess.run(head.namespace.command([ray, "status", f"--address=127.0.0.1:{ports['gcs']}"]),
                               env=env | extra_env, capture_output=True, text=True, timeout=120)
 
     refused = ray_status({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
     assert refused.returncode != 0 and "InvalidAuthToken" in refused.stderr, refused.stderr[-2000:]
     # What a `ray exec` shell on a node runs with: deploy/aws.yaml's ~/.bashrc line.
-    bashrc = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_cluster["home"] / ".ray" / "auth_token")}
-    admitted = ray_status(bashrc)
+    admitted = ray_status(head.shell_env)
     assert admitted.returncode == 0 and "Active:" in admitted.stdout, admitted.stderr[-2000:]

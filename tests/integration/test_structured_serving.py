@@ -31,17 +31,10 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    import openai
-
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
-
-
 # ---- structured outputs ------------------------------------------------------------------------
 
-def test_response_format_json_schema_is_parsed_and_schema_valid(client):
-    r = client.chat.completions.create(
+def test_response_format_json_schema_is_parsed_and_schema_valid(openai_client):
+    r = openai_client.chat.completions.create(
         model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=0,
         response_format={"type": "json_schema",
                          "json_schema": {"name": "city", "schema": CITY, "strict": True}})
@@ -49,16 +42,16 @@ def test_response_format_json_schema_is_parsed_and_schema_valid(client):
     jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
 
 
-def test_streamed_json_schema_output_is_schema_valid(client):
-    stream = client.chat.completions.create(
+def test_streamed_json_schema_output_is_schema_valid(openai_client):
+    stream = openai_client.chat.completions.create(
         model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=0, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     jsonschema.validate(json.loads(text), CITY)
 
 
-def test_n3_with_a_json_schema_gives_three_schema_valid_choices(client):
-    r = client.chat.completions.create(
+def test_n3_with_a_json_schema_gives_three_schema_valid_choices(openai_client):
+    r = openai_client.chat.completions.create(
         model=MODEL, messages=ASK_CITY, max_tokens=80, temperature=1.0, seed=5, n=3,
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -67,23 +60,23 @@ def test_n3_with_a_json_schema_gives_three_schema_valid_choices(client):
         jsonschema.validate(json.loads(choice.message.content), CITY)
 
 
-def test_response_format_json_object_gives_an_object(client):
-    r = client.chat.completions.create(
+def test_response_format_json_object_gives_an_object(openai_client):
+    r = openai_client.chat.completions.create(
         model=MODEL, max_tokens=60, temperature=0, response_format={"type": "json_object"},
         messages=[{"role": "user", "content": "Answer in JSON: what is the capital of France?"}])
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
-def test_vllm_structured_outputs_choice_gives_one_of_the_choices(client):
-    r = client.chat.completions.create(
+def test_vllm_structured_outputs_choice_gives_one_of_the_choices(openai_client):
+    r = openai_client.chat.completions.create(
         model=MODEL, max_tokens=10, temperature=0,
         messages=[{"role": "user", "content": "Is Paris the capital of Italy?"}],
         extra_body={"structured_outputs": {"choice": ["YES", "NO"]}})
     assert r.choices[0].message.content in ("YES", "NO")
 
 
-def test_older_guided_regex_on_completions(client):
-    r = client.completions.create(model=MODEL, prompt="My phone number is ", max_tokens=20,
+def test_older_guided_regex_on_completions(openai_client):
+    r = openai_client.completions.create(model=MODEL, prompt="My phone number is ", max_tokens=20,
                                   temperature=0.7, seed=1,
                                   extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
@@ -130,8 +123,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
-def test_a_named_tool_choice_is_parsed_into_tool_calls(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
+def test_a_named_tool_choice_is_parsed_into_tool_calls(openai_client):
+    r = openai_client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
                                        temperature=0, tools=[WEATHER, TIME],
                                        tool_choice=FORCE_WEATHER)
     message = r.choices[0].message
@@ -143,8 +136,8 @@ def test_a_named_tool_choice_is_parsed_into_tool_calls(client):
     assert r.choices[0].finish_reason == "stop"  # a forced function ends as OpenAI's does
 
 
-def test_a_named_tool_choice_streams_tool_call_deltas(client):
-    stream = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
+def test_a_named_tool_choice_streams_tool_call_deltas(openai_client):
+    stream = openai_client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=40,
                                             temperature=0, tools=[WEATHER, TIME],
                                             tool_choice=FORCE_WEATHER, stream=True,
                                             stream_options={"include_usage": True})
@@ -167,24 +160,24 @@ def test_a_named_tool_choice_streams_tool_call_deltas(client):
     assert usage is not None and usage.completion_tokens > 0
 
 
-def test_tool_choice_auto_with_a_plain_answer_is_content_whole_and_streamed(client):
+def test_tool_choice_auto_with_a_plain_answer_is_content_whole_and_streamed(openai_client):
     """The default model answers this in prose: no call parsed, the text is the content."""
     ask = [{"role": "user", "content": "Say hello to me."}]
-    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0,
+    r = openai_client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0,
                                        tools=[WEATHER], logprobs=True)
     message = r.choices[0].message
     assert message.content and not message.tool_calls
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens  # kept when not streamed
     assert r.choices[0].finish_reason in ("stop", "length")
-    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20,
+    stream = openai_client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20,
                                             temperature=0, tools=[WEATHER], stream=True)
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
     assert not any(c.choices[0].delta.tool_calls for c in chunks)
 
 
-def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=80,
+def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(openai_client):
+    r = openai_client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=80,
                                        temperature=0, tools=[WEATHER, TIME],
                                        tool_choice="required", parallel_tool_calls=False)
     calls = r.choices[0].message.tool_calls
@@ -193,12 +186,12 @@ def test_tool_choice_required_gives_at_least_one_call_of_a_given_tool(client):
     jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
 
 
-def test_tool_choice_required_streams_the_same_call(client):
+def test_tool_choice_required_streams_the_same_call(openai_client):
     kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=80, temperature=0,
                   tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
-    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    whole = openai_client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
     name, arguments, reasons = None, "", []
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
+    for chunk in openai_client.chat.completions.create(**kwargs, stream=True):
         reasons.append(chunk.choices[0].finish_reason)
         for tc in chunk.choices[0].delta.tool_calls or []:
             name = tc.function.name or name
@@ -222,13 +215,13 @@ AUTO_FORMS = [  # arguments of some 30 tokens: they stream in several deltas
 
 
 @pytest.mark.parametrize("regex, content, name", AUTO_FORMS, ids=["hermes", "llama3"])
-def test_tool_choice_auto_streams_call_deltas_as_generated(client, regex, content, name):
+def test_tool_choice_auto_streams_call_deltas_as_generated(openai_client, regex, content, name):
     kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=150, temperature=0,
                   tools=[WEATHER, TIME], extra_body={"structured_outputs": {"regex": regex}})
-    whole = client.chat.completions.create(**kwargs).choices[0]
+    whole = openai_client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
     streamed_content, headers, fragments, reasons = "", [], [], []
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
+    for chunk in openai_client.chat.completions.create(**kwargs, stream=True):
         delta = chunk.choices[0].delta
         streamed_content += delta.content or ""
         reasons.append(chunk.choices[0].finish_reason)
@@ -247,17 +240,17 @@ def test_tool_choice_auto_streams_call_deltas_as_generated(client, regex, conten
     assert reasons[-1] == "tool_calls"
 
 
-def test_n2_with_a_named_tool_gives_a_call_per_choice_whole_and_streamed(client):
+def test_n2_with_a_named_tool_gives_a_call_per_choice_whole_and_streamed(openai_client):
     kwargs = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=40, temperature=1.0, seed=3, n=2,
                   tools=[WEATHER, TIME], tool_choice=FORCE_WEATHER)
-    whole = client.chat.completions.create(**kwargs)
+    whole = openai_client.chat.completions.create(**kwargs)
     assert [c.index for c in whole.choices] == [0, 1]
     for choice in whole.choices:
         assert len(choice.message.tool_calls) == 1 and choice.message.content is None
         jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
                             WEATHER["function"]["parameters"])
     arguments, names, reasons = {0: "", 1: ""}, {}, {}
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
+    for chunk in openai_client.chat.completions.create(**kwargs, stream=True):
         choice = chunk.choices[0]
         for tc in choice.delta.tool_calls or []:
             names[choice.index] = tc.function.name or names.get(choice.index)
@@ -269,7 +262,7 @@ def test_n2_with_a_named_tool_gives_a_call_per_choice_whole_and_streamed(client)
         json.loads(c.message.tool_calls[0].function.arguments) for c in whole.choices]
 
 
-def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
+def test_tool_calls_and_results_in_the_history_are_in_the_prompt(openai_client):
     from kvmesh.cluster.openai_protocol import ChatMessage, chat_prompt_text
     from kvmesh.cluster.tool_calls import parse_tools, render_chat
     from kvmesh.worker.chat_template import encode_chat
@@ -281,7 +274,7 @@ def test_tool_calls_and_results_in_the_history_are_in_the_prompt(client):
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
-    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=30,
+    r = openai_client.chat.completions.create(model=MODEL, messages=history, max_tokens=30,
                                        temperature=0, tools=[WEATHER])
     tokenizer = load_tokenizer(MODEL)[0]
     ms = [ChatMessage.model_validate(m) for m in history]

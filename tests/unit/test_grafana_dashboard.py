@@ -16,32 +16,27 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvmesh.json"
 
-# name -> (type, labels): what the ingress exports on /metrics (docs/METRICS.md describes them).
-CONTRACT_METRICS = {
-    "kvmesh_requests_total": ("counter", ("model", "status")),
-    "kvmesh_request_ttft_seconds": ("histogram", ("model",)),
-    "kvmesh_request_tpot_seconds": ("histogram", ("model",)),
-    "kvmesh_request_e2e_seconds": ("histogram", ("model",)),
-    "kvmesh_prompt_tokens_total": ("counter", ("model",)),
-    "kvmesh_generation_tokens_total": ("counter", ("model",)),
-    "kvmesh_cached_prompt_tokens_total": ("counter", ("model",)),
-    "kvmesh_queue_depth": ("gauge", ("worker",)),
-    "kvmesh_running_requests": ("gauge", ("worker",)),
-    "kvmesh_kv_usage_ratio": ("gauge", ("worker",)),
-    "kvmesh_prefix_hit_rate": ("gauge", ("worker",)),
-    "kvmesh_replicas": ("gauge", ("deployment",)),
+# What the ingress exports on /metrics (docs/METRICS.md describes them), by (type, labels).
+CONTRACT_KINDS = {
+    ("counter", ("model", "status")): ["kvmesh_requests_total"],
+    ("histogram", ("model",)): ["kvmesh_request_ttft_seconds", "kvmesh_request_tpot_seconds",
+                                "kvmesh_request_e2e_seconds"],
+    ("counter", ("model",)): ["kvmesh_prompt_tokens_total", "kvmesh_generation_tokens_total",
+                              "kvmesh_cached_prompt_tokens_total"],
+    ("gauge", ("worker",)): ["kvmesh_queue_depth", "kvmesh_running_requests", "kvmesh_kv_usage_ratio",
+                             "kvmesh_prefix_hit_rate"],
+    ("gauge", ("deployment",)): ["kvmesh_replicas"],
     # vLLM's names and labels, exported too (docs/METRICS.md): the dashboard reads either
-    "vllm:request_success_total": ("counter", ("model_name", "finished_reason")),
-    "vllm:generation_tokens_total": ("counter", ("model_name",)),
-    "vllm:prompt_tokens_total": ("counter", ("model_name",)),
-    "vllm:prefix_cache_hits_total": ("counter", ("model_name",)),
-    "vllm:time_to_first_token_seconds": ("histogram", ("model_name",)),
-    "vllm:inter_token_latency_seconds": ("histogram", ("model_name",)),
-    "vllm:e2e_request_latency_seconds": ("histogram", ("model_name",)),
-    "vllm:num_requests_waiting": ("gauge", ("model_name", "engine")),
-    "vllm:num_requests_running": ("gauge", ("model_name", "engine")),
-    "vllm:kv_cache_usage_perc": ("gauge", ("model_name", "engine")),
+    ("counter", ("model_name", "finished_reason")): ["vllm:request_success_total"],
+    ("counter", ("model_name",)): ["vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                                   "vllm:prefix_cache_hits_total"],
+    ("histogram", ("model_name",)): ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                                     "vllm:e2e_request_latency_seconds"],
+    ("gauge", ("model_name", "engine")): ["vllm:num_requests_waiting", "vllm:num_requests_running",
+                                          "vllm:kv_cache_usage_perc"],
 }
+# name -> (type, labels)
+CONTRACT_METRICS = {name: kind for kind, names in CONTRACT_KINDS.items() for name in names}
 # kvmesh metric -> the vLLM metric a panel falls back to on a server that exports only vLLM's names
 VLLM_EQUIVALENT = {
     "kvmesh_generation_tokens_total": "vllm:generation_tokens_total",

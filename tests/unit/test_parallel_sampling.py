@@ -28,6 +28,15 @@ def make_group(request_id: str, prompt: list[int], n: int, max_tokens: int = 4) 
     return sequences[0]
 
 
+def group_added(prompt_len: int, n: int) -> tuple[BlockManager, Scheduler, Request]:
+    """A scheduler over 16 blocks with one group added: n sequences of a prompt_len-token prompt."""
+    bm = BlockManager(16, B)
+    scheduler = Scheduler(bm, 64, 8)
+    parent = make_group("g", list(range(prompt_len)), n=n)
+    scheduler.add(parent)
+    return bm, scheduler, parent
+
+
 def step(scheduler: Scheduler):
     """One synchronous engine step with a model that always samples token 7."""
     output = scheduler.schedule()
@@ -40,10 +49,7 @@ def step(scheduler: Scheduler):
 
 
 def test_forked_sequences_share_the_prompt_blocks_by_reference_count():
-    bm = BlockManager(16, B)
-    scheduler = Scheduler(bm, 64, 8)
-    parent = make_group("g", list(range(10)), n=3)  # 10 tokens: blocks 0, 1 full, block 2 partial
-    scheduler.add(parent)
+    bm, scheduler, parent = group_added(10, n=3)  # 10 tokens: blocks 0, 1 full, block 2 partial
     output = step(scheduler)
     assert [(e.request.index, e.num_new_tokens, [f.index for f in e.forks]) for e in output.scheduled] \
         == [(0, 10, [1, 2])]
@@ -63,10 +69,7 @@ def test_forked_sequences_share_the_prompt_blocks_by_reference_count():
 
 
 def test_a_prompt_of_whole_blocks_needs_no_copy():
-    bm = BlockManager(16, B)
-    scheduler = Scheduler(bm, 64, 8)
-    parent = make_group("g", list(range(8)), n=2)
-    scheduler.add(parent)
+    bm, scheduler, parent = group_added(8, n=2)
     step(scheduler)
     output = step(scheduler)
     assert output.blocks_to_copy == []
@@ -75,10 +78,7 @@ def test_a_prompt_of_whole_blocks_needs_no_copy():
 
 
 def test_finishing_the_sequences_returns_every_block():
-    bm = BlockManager(16, B)
-    scheduler = Scheduler(bm, 64, 8)
-    parent = make_group("g", list(range(10)), n=3)
-    scheduler.add(parent)
+    bm, scheduler, parent = group_added(10, n=3)
     step(scheduler)
     step(scheduler)
     for seq in parent.group:

@@ -106,11 +106,16 @@ def chat(text):
     return [{"role": "user", "content": text}]
 
 
+def greedy_chat(llm, text: str, structured: StructuredOutputs, max_tokens: int):
+    """The greedy answer to one user message under `structured`."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=structured)
+    return llm.chat(chat(text), params, use_tqdm=False)[0]
+
+
 @pytest.mark.slow
 def test_greedy_generation_under_a_json_schema_is_schema_valid(llm):
-    params = SamplingParams(max_tokens=80, temperature=0,
-                            structured_outputs=StructuredOutputs(json=SCHEMA))
-    out = llm.chat(chat("Give the city, population and whether it is a capital, for Paris, as JSON."), params, use_tqdm=False)[0]
+    out = greedy_chat(llm, "Give the city, population and whether it is a capital, for Paris, as JSON.",
+                      StructuredOutputs(json=SCHEMA), max_tokens=80)
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), SCHEMA)
     assert "\n" not in out.text  # JSON is generated on one line: no indentation to loop on
@@ -133,9 +138,8 @@ def test_a_choice_gives_one_of_the_choices_and_unconstrained_rows_are_unchanged(
 
 @pytest.mark.slow
 def test_json_object_gives_an_object(llm):
-    params = SamplingParams(max_tokens=60, temperature=0,
-                            structured_outputs=StructuredOutputs(json_object=True))
-    out = llm.chat(chat("Answer in JSON: what is the capital of France?"), params, use_tqdm=False)[0]
+    out = greedy_chat(llm, "Answer in JSON: what is the capital of France?",
+                      StructuredOutputs(json_object=True), max_tokens=60)
     assert out.finish_reason == "stop"
     assert isinstance(json.loads(out.text), dict)
 

@@ -20,6 +20,11 @@ def value(found: dict, name: str, **labels) -> float:
     return found[(name, tuple(sorted(labels.items())))]
 
 
+def values(found: dict, names, **labels) -> dict:
+    """{name: value} of the metrics `names` with these labels (a missing one is a KeyError)."""
+    return {name: value(found, name, **labels) for name in names}
+
+
 def test_a_finished_request_feeds_the_vllm_request_metrics():
     m = IngressMetrics()
     m.init_model(MODEL)
@@ -32,22 +37,18 @@ def test_a_finished_request_feeds_the_vllm_request_metrics():
     found = samples(m)
     assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 1
     assert value(found, "vllm:request_success_total", model_name=MODEL, finished_reason="stop") == 0
-    assert value(found, "vllm:prompt_tokens_total", model_name=MODEL) == 10
-    assert value(found, "vllm:generation_tokens_total", model_name=MODEL) == 5
-    assert value(found, "vllm:prefix_cache_queries_total", model_name=MODEL) == 10
-    assert value(found, "vllm:prefix_cache_hits_total", model_name=MODEL) == 4
-    assert value(found, "vllm:time_to_first_token_seconds_sum", model_name=MODEL) == 0.25
-    assert value(found, "vllm:e2e_request_latency_seconds_sum", model_name=MODEL) == 1.25
-    assert value(found, "vllm:inter_token_latency_seconds_count", model_name=MODEL) == 4  # 4 gaps
-    assert value(found, "vllm:inter_token_latency_seconds_sum", model_name=MODEL) == 1.0
+    expected = {"vllm:prompt_tokens_total": 10, "vllm:generation_tokens_total": 5,
+                "vllm:prefix_cache_queries_total": 10, "vllm:prefix_cache_hits_total": 4,
+                "vllm:time_to_first_token_seconds_sum": 0.25, "vllm:e2e_request_latency_seconds_sum": 1.25,
+                "vllm:inter_token_latency_seconds_count": 4,  # 4 gaps
+                "vllm:inter_token_latency_seconds_sum": 1.0,
+                "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_prefill_time_seconds_sum": 0.5,
+                "vllm:request_decode_time_seconds_sum": 1.0, "vllm:request_inference_time_seconds_sum": 1.5,
+                "vllm:request_generation_tokens_count": 1}
+    assert values(found, expected, model_name=MODEL) == expected
     # each gap in its own bucket, not the request's mean (0.25) four times
     assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.15") == 2
     assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.3") == 3
-    assert value(found, "vllm:request_queue_time_seconds_sum", model_name=MODEL) == 0.5
-    assert value(found, "vllm:request_prefill_time_seconds_sum", model_name=MODEL) == 0.5
-    assert value(found, "vllm:request_decode_time_seconds_sum", model_name=MODEL) == 1.0
-    assert value(found, "vllm:request_inference_time_seconds_sum", model_name=MODEL) == 1.5
-    assert value(found, "vllm:request_generation_tokens_count", model_name=MODEL) == 1
 
 
 def test_an_abort_is_counted_under_both_names():
@@ -64,10 +65,9 @@ def test_worker_gauges_have_vllm_names_per_engine():
     m.init_model(MODEL)
     loads = {"w1": WorkerLoad("w1", running=2, waiting=3, kv_free_blocks=25, kv_total_blocks=100)}
     found = samples(m, loads, {"w1": {"preemptions": 7}})
-    assert value(found, "vllm:num_requests_running", model_name=MODEL, engine="w1") == 2
-    assert value(found, "vllm:num_requests_waiting", model_name=MODEL, engine="w1") == 3
-    assert value(found, "vllm:kv_cache_usage_perc", model_name=MODEL, engine="w1") == 0.75
-    assert value(found, "vllm:num_preemptions_total", model_name=MODEL, engine="w1") == 7
+    expected = {"vllm:num_requests_running": 2, "vllm:num_requests_waiting": 3,
+                "vllm:kv_cache_usage_perc": 0.75, "vllm:num_preemptions_total": 7}
+    assert values(found, expected, model_name=MODEL, engine="w1") == expected
 
 
 def test_token_gaps_are_each_gap_per_sequence_also_when_deltas_were_merged():

@@ -14,14 +14,16 @@ Attention is causal over the whole context.
 """
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import ClassVar
 
 import torch
 
 from kvmesh.worker.attention.registry import check_supported, dtype_name
 from kvmesh.worker.kv_cache import is_fp8, kv_cache_torch_dtype
+from kvmesh.worker.scoped_context import scoped
 
 
 @dataclass
@@ -46,26 +48,34 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+@dataclass(eq=False)  # one object per model runner: compared by identity
 class AttentionBackend(ABC):
     """One object per model runner; `plan` runs once per step, `forward` once per layer.
 
     `name` is the backend's key in the registry (registry.BACKENDS), whose limits it is checked
-    against when built."""
+    against when built; then `setup` imports the backend's kernels and builds its buffers."""
 
-    name: str = "abstract"
+    name: ClassVar[str] = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 scale: float, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
-        check_supported(self.name, block_size, head_dim, dtype_name(dtype), kv_cache_dtype)
-        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's element type
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    scale: float
+    device: torch.device
+    dtype: torch.dtype
+    # the config's name ("auto", "fp8"); once built, the attribute is the pool's element type
+    kv_cache_dtype: InitVar[str] = "auto"
+
+    def __post_init__(self, kv_cache_dtype: str) -> None:
+        check_supported(self.name, self.block_size, self.head_dim, dtype_name(self.dtype), kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         self.fp8_kv = is_fp8(self.kv_cache_dtype)
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.block_size = block_size
-        self.scale = scale
-        self.device = device
-        self.dtype = dtype
+        self.setup()
+
+    def setup(self) -> None:
+        """Import the kernels (optional GPU libraries: imported here, not with the module) and build
+        the buffers the backend keeps."""
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Per-step preparation shared by all layers (index buffers, kernel plans)."""
@@ -95,14 +105,9 @@ class ForwardContext:
 _forward_context: ContextVar[ForwardContext | None] = ContextVar("kvmesh_forward_context", default=None)
 
 
-@contextmanager
-def forward_context(ctx: ForwardContext):
+def forward_context(ctx: ForwardContext) -> AbstractContextManager[ForwardContext]:
     """Scope the step's attention metadata to one model forward (no bare module global)."""
-    token = _forward_context.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _forward_context.reset(token)
+    return scoped(_forward_context, ctx)
 
 
 def get_forward_context() -> ForwardContext:

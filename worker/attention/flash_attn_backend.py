@@ -16,13 +16,12 @@ from .base import AttentionBackend, AttentionMetadata
 class FlashAttnAttentionBackend(AttentionBackend):
     name = "flash_attn"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype="auto"):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype)
+    def setup(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional dependency
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
-        self._store = _store_function(device)
+        self._store = _store_function(self.device)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         num_decodes = metadata.num_decode_tokens

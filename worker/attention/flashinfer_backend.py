@@ -22,16 +22,15 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype="auto"):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype)
+    def setup(self) -> None:
         import flashinfer  # imported here: optional dependency (kvmesh[gpu])
         from kvmesh.kernels.store_kvcache import store_kvcache
 
         self._flashinfer = flashinfer
         self._store = store_kvcache
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # tensor-core decode pays once several query heads share a KV head
-        self.use_tensor_cores = num_heads // num_kv_heads >= 4
+        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         # fa2: flashinfer's sm90 (fa3) prefill needs CUTLASS tool headers the trimmed wheel leaves out;

@@ -13,8 +13,7 @@ from .base import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype="auto"):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, device, dtype, kv_cache_dtype)
+    def setup(self) -> None:
         # imported here so that CPU-only installs (no triton) can still import the backend registry
         from kvmesh.kernels.paged_decode import choose_num_splits, paged_decode
         from kvmesh.kernels.paged_prefill import paged_prefill
@@ -23,7 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode = paged_decode
         self._prefill = paged_prefill
         self._store = store_kvcache
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def plan(self, metadata: AttentionMetadata) -> None:
         num_decodes = metadata.num_decode_tokens
