@@ -18,6 +18,7 @@ full ranking (Serve's fallbacks: `rank`, not `top(k=1)`), a softmax temperature,
 workers instead of a WorkerSet, take the vectorized pass over all workers.
 """
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +49,8 @@ class KVEventsPolicy(Policy):
         self.index = index
         self.block_size = block_size
         self.weights = weights or CostWeights()
+        # New work behind a short shared prefix: its missing tokens weigh their delay alone (new_work)
+        self._new_work = dataclasses.replace(self.weights, prefill=self.weights.queued_prefill, in_flight=0.0)
         self.temperature = temperature
         self.pending = PendingPrefixes(pending_requests) if pending_requests else None
         self._rng = np.random.default_rng(seed)
@@ -141,12 +144,14 @@ class KVEventsPolicy(Policy):
         order's buckets holding one (LoadOrder.cheapest_in), as are those of the workers holding none
         of the prefix: a handful of groups are costed, whatever the number of holders."""
         order = self._watch(workers)
-        weights, block_size = self.weights, self.block_size
+        block_size = self.block_size
         num_prompt_tokens = request.num_prompt_tokens
         limit = max(num_prompt_tokens - 1, 0)  # at least one prompt token is always computed
         levels = self.index.levels(request.block_hashes)
         eligible = order.mask
-        in_flight = self._in_flight_of(request, levels, order, limit)  # (bit, key, credit) or None
+        in_flight = self._in_flight_of(request, levels, order, limit)  # (bit, key, tokens) or None
+        longest = min(levels[-1][0] * block_size, limit) if levels else 0
+        weights = self.weights_for(num_prompt_tokens, longest + (in_flight[2] if in_flight else 0))
         in_flight_bit = in_flight[0] if in_flight else 0
         holders = 0
         masks = []
@@ -161,9 +166,10 @@ class KVEventsPolicy(Policy):
                   for i, groups in enumerate(found[:-1])]
         lone = []
         if in_flight is not None:
-            bit, key, credit = in_flight
+            bit, key, in_flight_tokens = in_flight
             cached = tokens[-1] if levels else 0
-            entry = (worker_cost(num_prompt_tokens, cached, key, weights) - credit, bit)
+            entry = (worker_cost(num_prompt_tokens, cached, key, weights) - weights.in_flight * in_flight_tokens,
+                     bit)
             (costed[-1] if levels else lone).append(entry)
         others = [(worker_cost(num_prompt_tokens, 0, g.key, weights), g) for g in found[-1]]
         costs = [c for level in costed for c, _ in level] + [c for c, _ in lone] + [c for c, _ in others]
@@ -204,10 +210,24 @@ class KVEventsPolicy(Policy):
             self._watched = workers
         return self._order
 
+    def weights_for(self, num_prompt_tokens: int, longest: float) -> CostWeights:
+        """The weights a request is costed with, given the longest prefix of it that a worker holds
+        or is computing (tokens). A continuation (that prefix at least `stay_min_cached` of the prompt)
+        takes the weights as given. New work behind a short shared prefix (or none) takes a prefill
+        weight of `queued_prefill` and no in-flight credit: a worker missing the shared prefix is
+        charged the delay of computing it, not a second copy's cost. The copy is made once per
+        worker and then serves every later request behind that prefix; charged in full, it kept the
+        workers that had missed the first requests from ever getting new work while the holders'
+        loads differed by less than the copy (multiturn at load 0.5: one of 16 workers got no
+        conversation at all, another 11 of 411, and the busiest 44)."""
+        if longest >= self.weights.stay_min_cached * num_prompt_tokens:
+            return self.weights
+        return self._new_work
+
     def _in_flight_of(self, request: RouteRequest, levels: list[tuple[int, int]], order: LoadOrder,
-                      limit: int) -> tuple[int, object, float] | None:
-        """_in_flight from the levels: (the worker's bit, its load key, the credit), when it is
-        eligible and holds the longest indexed prefix (or nobody holds any)."""
+                      limit: int) -> tuple[int, object, int] | None:
+        """_in_flight from the levels: (the worker's bit, its load key, the prompt tokens it is
+        computing), when it is eligible and holds the longest indexed prefix (or nobody holds any)."""
         if self.pending is None:
             return None
         longest = levels[-1][0] if levels else 0
@@ -221,7 +241,7 @@ class KVEventsPolicy(Policy):
         if levels and not levels[-1][1] & bit:
             return None
         tokens = min((longest + extra) * self.block_size, limit) - min(longest * self.block_size, limit)
-        return (bit, key, self.weights.in_flight * tokens) if tokens > 0 else None
+        return (bit, key, tokens) if tokens > 0 else None
 
     def _level_that_stays(self, costed: list[list[tuple[float, int]]], tokens: list[int],
                           best_level: int | None, best_cost: float,
@@ -253,10 +273,14 @@ class KVEventsPolicy(Policy):
         cached = np.zeros(len(cols.ids), dtype=np.float64)
         for row, tokens in held.items():
             cached[row] = tokens
-        cost = worker_costs(request.num_prompt_tokens, cached, cols, self.weights)
         in_flight = self._in_flight(request, cols, overlaps)
+        # the in-flight tokens of an eligible worker only, as in _choose
+        longest = max(held.values(), default=0.0) + (
+            in_flight[1] if in_flight is not None and cols.eligible[in_flight[0]] else 0)
+        weights = self.weights_for(request.num_prompt_tokens, longest)
+        cost = worker_costs(request.num_prompt_tokens, cached, cols, weights)
         if in_flight is not None:
-            cost[in_flight[0]] -= self.weights.in_flight * in_flight[1]
+            cost[in_flight[0]] -= weights.in_flight * in_flight[1]
         return cost
 
     def _rank(self, request: RouteRequest, workers: Sequence[WorkerState],

@@ -153,9 +153,12 @@ class ListingChoice:
             return None
         cached = np.zeros(len(rows))
         cached[:len(scored)] = list(scored.values())
-        cost = worker_costs(request.num_prompt_tokens, cached, cols, p.weights, np.array(rows)).tolist()
+        longest = max(held.values(), default=0.0) + (
+            in_flight[1] if in_flight is not None and eligible[in_flight[0]] else 0)
+        weights = p.weights_for(request.num_prompt_tokens, longest)
+        cost = worker_costs(request.num_prompt_tokens, cached, cols, weights, np.array(rows)).tolist()
         if in_flight is not None and in_flight[0] in scored:
-            cost[list(scored).index(in_flight[0])] -= p.weights.in_flight * in_flight[1]
+            cost[list(scored).index(in_flight[0])] -= weights.in_flight * in_flight[1]
         best_cost = min(cost)
         tied = [row for row, c in zip(rows, cost[:len(scored)]) if c == best_cost]
         tied_buckets = [(b, n) for (b, n), c in zip(buckets, cost[len(scored):]) if c == best_cost]

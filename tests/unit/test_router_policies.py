@@ -231,6 +231,39 @@ def test_kv_events_margin_keeps_only_a_holder_of_most_of_the_prompt():
     assert half.rank(REQ, ws) == ["w1", "w0"]
 
 
+def worker_set(*queued):
+    ws = WorkerSet()
+    for i, q in enumerate(queued):
+        ws.add(f"w{i}")
+        ws.update_load(WorkerLoad(f"w{i}", waiting_prefill_tokens=q))
+    return ws
+
+
+@pytest.mark.parametrize("as_set", [False, True])
+def test_kv_events_charges_new_work_behind_a_short_prefix_its_delay_alone(as_set):
+    # A worker missing a short shared prefix (under stay_min_cached of the prompt: a new conversation
+    # behind a system prompt) pays the delay of computing it (queued_prefill per token), not the
+    # prefill weight that also charges a second copy; a continuation pays the full prefill weight.
+    weights = CostWeights(prefill=2.0, queued_prefill=1.0, running_decode=0.0, kv_pressure=0.0,
+                          outstanding=0.0, stay_margin=0.0, stay_min_cached=0.5)
+
+    def first(held_blocks: int, queue: int) -> str:
+        p = policy("kv_events", index_with({"w0": held_blocks}), weights=weights, pending_requests=0)
+        if as_set:
+            return p.top(REQ, worker_set(queue, 0), 1)[0]
+        ws = workers(0, 0)
+        ws[0].load.waiting_prefill_tokens = queue
+        return p.rank(REQ, ws)[0]
+
+    # 3 of 10 blocks: w0 costs 1 * 112 + queue against w1's 1 * 160 (at 2 per token: 224 + queue
+    # against 320, and w0 would win up to a queue of 96).
+    assert first(3, 47) == "w0"
+    assert first(3, 49) == "w1"
+    # 5 of 10 blocks (half the prompt): the full weight, 2 * 80 + queue against 320.
+    assert first(5, 159) == "w0"
+    assert first(5, 161) == "w1"
+
+
 def test_kv_events_default_margin_is_one_engine_step_for_a_continuation():
     p = policy("kv_events", index_with({"w0": 9}), pending_requests=0)  # the default weights
     ws = workers(0, 0)
