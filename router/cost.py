@@ -8,7 +8,8 @@ cost_w = prefill * (prompt tokens - cached_w)                  new prefill work 
 
 Units are queued prefill tokens: one delays the request by one token's prefill. A new (uncached)
 prefill token weighs 2: it delays the request as much, and it also spends cluster capacity and KV
-space on a copy of a prefix another worker already holds, which load-only routing ignores. A running
+space on a copy of a prefix another worker already holds, which load-only routing ignores. (The
+kv_events policy charges new work behind a short shared prefix the delay alone: KVEventsPolicy.weights_for.) A running
 context token makes every step the request shares read 114,688 more bytes (Qwen3-0.6B shape), ~27 ns
 at 4.23 TB/s against ~3 us per prefill token (~0.01), over the several steps of its prefill and first
 decodes: 0.05. A request in flight weighs 256 more: the token columns are a snapshot (a queued prefill

@@ -3,7 +3,9 @@ workers' own KV events report + weighted load (kvmesh.router.cost), with hystere
 prefix is at least `weights.stay_min_cached` of the prompt (a continuation), the cheapest worker
 holding it keeps the request unless another one is cheaper by more than `weights.stay_margin`.
 A worker computing a prefix this policy has just sent it (kvmesh.router.pending: in flight, not yet
-in the index) is credited with a copy saved (`weights.in_flight` per token). Ties are broken at
+in the index) is credited with a copy saved (`weights.in_flight` per token). New work behind a short
+shared prefix (under `weights.stay_min_cached` of the prompt held or in flight anywhere) is charged
+the delay of its missing tokens, not a second copy (weights_for). Ties are broken at
 random; with a temperature > 0 the first choice is sampled from softmax(-cost / (temperature *
 prompt tokens)).
 Cache affinity never picks an unhealthy worker or one at its cap: those are filtered before scoring.
