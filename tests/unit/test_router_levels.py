@@ -107,7 +107,7 @@ def test_cheapest_in_is_the_first_buckets_holding_a_member_of_each_mask(monkeypa
                 assert g.mask == sum(1 << index.slot(w) for w in members)
                 # pick_in: the bucket's order with the rest excluded, as pick
                 excluded = [w for w, k in keys.items() if k == g.key and w not in members]
-                bucket = load_order_module.Bucket(g.cost, g.key, order._buckets[g.key])
+                bucket = load_order_module.Bucket(g.cost, g.key, order.members_of(g.key))
                 assert [order.pick_in(g, i) for i in range(len(members))] == [
                     order.pick(bucket, i, excluded) for i in range(len(members))]
 
