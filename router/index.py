@@ -162,7 +162,7 @@ class KVIndex:
     def _apply_events(self, entry: _WorkerEntry, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._store(entry, event.block_hashes)
+                self._store(entry, event.block_hashes, parent_hash=event.parent_hash)
             elif isinstance(event, BlockRemoved):
                 self._remove(entry, event.block_hashes)
             elif isinstance(event, AllCleared):
@@ -171,19 +171,30 @@ class KVIndex:
                 raise TypeError(f"unknown KV event {type(event).__name__}")
         entry.next_seq = batch.seq + 1
 
-    def _store(self, entry: _WorkerEntry, hashes: Iterable[int], as_chain: bool = True) -> None:
+    def _store(self, entry: _WorkerEntry, hashes: Iterable[int], as_chain: bool = True,
+               parent_hash: int | None = None) -> None:
         """Set the worker's bit on `hashes` (most recently stored). New hashes that follow each other
-        form one run (`as_chain`: they are a chain segment, as an event's are; a snapshot's sorted
-        hashes are not, so each becomes its own run)."""
+        form one run (`as_chain`: they are a chain segment, as an event's are, `parent_hash` the block
+        before the first; a snapshot's sorted hashes are not, so each becomes its own run). New
+        hashes that follow the last block of a run held by this worker alone extend that run: a
+        conversation's turns, stored by one worker in an event each, stay one run, which a walk
+        crosses with one lookup instead of one per turn."""
         bit = 1 << entry.slot
         blocks, mine = self._blocks, entry.blocks
         fresh = None  # the run new hashes are appended to
         seg_run, segment = None, []  # consecutive hashes of one existing run
+        previous = parent_hash  # the block before h in the chain
         for h in hashes:
             run = blocks.get(h)
             if run is None:
-                if fresh is None or not as_chain:
+                if not as_chain:
                     fresh = _Run(bit, array("Q"))
+                elif fresh is None:
+                    before = None if previous is None else blocks.get(previous)
+                    if before is not None and before.mask == bit and before.hashes[-1] == previous:
+                        fresh = before
+                    else:
+                        fresh = _Run(bit, array("Q"))
                 fresh.hashes.append(h)
                 blocks[h] = fresh
             else:
@@ -196,6 +207,7 @@ class KVIndex:
                     seg_run = run
                     segment.append(h)
             mine.add(h)
+            previous = h
         if segment:
             self._set_mask(seg_run, segment, seg_run.mask | bit)
         while len(blocks) > self.max_blocks:
