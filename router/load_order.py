@@ -226,10 +226,15 @@ class LoadOrder:
     def _walked(self, mask: int, slack: float, first_within: int) -> list[Group]:
         """cheapest_in of one mask by the sorted buckets: its first member within `first_within`
         buckets, the rest within WALK_BUCKETS, else listed."""
+        buckets, sorted_cost = self._sorted, self._sorted_cost
+        if buckets and first_within:  # the common case: the cheapest bucket holds one, alone in slack
+            bucket = buckets[0]
+            inside = bucket.mask & mask
+            if inside and (len(sorted_cost) == 1 or sorted_cost[1] > bucket.cost + slack):
+                return [Group(bucket.cost, bucket.key, inside)]
         groups: list[Group] = []
         top = None  # the first group's cost + slack
-        sorted_cost = self._sorted_cost
-        for i, bucket in enumerate(self._sorted):
+        for i, bucket in enumerate(buckets):
             if top is None:
                 if i >= first_within:
                     return self._listed(mask, slack)
@@ -250,8 +255,12 @@ class LoadOrder:
         """cheapest_in of one mask by its members' load costs (the slot array), O(members)."""
         slots = bit_positions(mask)
         costs = list(map(self._slot_cost.__getitem__, slots))
-        top = min(costs) + slack
+        best = min(costs)
+        top = best + slack
         slot_bucket = self._slot_bucket
+        if sum(map(top.__ge__, costs)) == 1:  # the common case, counted in C
+            bucket = slot_bucket[slots[costs.index(best)]]
+            return [Group(bucket.cost, bucket.key, bucket.mask & mask)]
         buckets = {slot_bucket[s] for s, c in zip(slots, costs) if c <= top}
         groups = [Group(b.cost, b.key, b.mask & mask) for b in buckets]
         if len(groups) > 1:
