@@ -47,6 +47,9 @@ def test_bit_positions_lists_the_set_bits_lowest_first():
     for _ in range(300):
         mask = rng.getrandbits(rng.randrange(1, 5000)) & rng.getrandbits(5000)
         assert bit_positions(mask) == [i for i in range(mask.bit_length()) if mask >> i & 1]
+    for count in range(200):  # every way by its number of bits: cleared one by one, found in text, numpy
+        slots = sorted(rng.sample(range(4096), count))
+        assert bit_positions(sum(1 << s for s in slots)) == slots
 
 
 def test_worker_cost_is_worker_costs_bit_for_bit():
