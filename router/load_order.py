@@ -24,6 +24,7 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Collection
+from operator import itemgetter
 from typing import NamedTuple
 
 from kvmesh.router.index import bit_positions
@@ -254,12 +255,17 @@ class LoadOrder:
     def _listed(self, mask: int, slack: float) -> list[Group]:
         """cheapest_in of one mask by its members' load costs (the slot array), O(members)."""
         slots = bit_positions(mask)
-        costs = list(map(self._slot_cost.__getitem__, slots))
+        slot_bucket = self._slot_bucket
+        if len(slots) == 1:
+            bucket = slot_bucket[slots[0]]
+            return [Group(bucket.cost, bucket.key, bucket.mask & mask)]
+        # C-level passes (itemgetter, min, index, slices): ~half the time of a map over the members
+        costs = itemgetter(*slots)(self._slot_cost)
         best = min(costs)
         top = best + slack
-        slot_bucket = self._slot_bucket
-        if sum(map(top.__ge__, costs)) == 1:  # the common case, counted in C
-            bucket = slot_bucket[slots[costs.index(best)]]
+        i = costs.index(best)
+        if min(costs[:i] + costs[i + 1:]) > top:  # the common case: one member at the least cost
+            bucket = slot_bucket[slots[i]]
             return [Group(bucket.cost, bucket.key, bucket.mask & mask)]
         buckets = {slot_bucket[s] for s, c in zip(slots, costs) if c <= top}
         groups = [Group(b.cost, b.key, b.mask & mask) for b in buckets]
