@@ -28,6 +28,10 @@ from kvmesh.hashing import hash_array
 from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 MAX_PENDING_BATCHES = 1024  # batches kept per worker while its snapshot is awaited
+# bit_positions: up to CLEAR_LOWEST_BITS set bits by clearing the lowest, up to BIN_FIND_BITS by
+# finding them in the binary text, then by numpy
+CLEAR_LOWEST_BITS = 16
+BIN_FIND_BITS = 128
 
 
 @dataclass
@@ -162,7 +166,7 @@ class KVIndex:
     def _apply_events(self, entry: _WorkerEntry, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._store(entry, event.block_hashes)
+                self._store(entry, event.block_hashes, parent_hash=event.parent_hash)
             elif isinstance(event, BlockRemoved):
                 self._remove(entry, event.block_hashes)
             elif isinstance(event, AllCleared):
@@ -171,19 +175,30 @@ class KVIndex:
                 raise TypeError(f"unknown KV event {type(event).__name__}")
         entry.next_seq = batch.seq + 1
 
-    def _store(self, entry: _WorkerEntry, hashes: Iterable[int], as_chain: bool = True) -> None:
+    def _store(self, entry: _WorkerEntry, hashes: Iterable[int], as_chain: bool = True,
+               parent_hash: int | None = None) -> None:
         """Set the worker's bit on `hashes` (most recently stored). New hashes that follow each other
-        form one run (`as_chain`: they are a chain segment, as an event's are; a snapshot's sorted
-        hashes are not, so each becomes its own run)."""
+        form one run (`as_chain`: they are a chain segment, as an event's are, `parent_hash` the block
+        before the first; a snapshot's sorted hashes are not, so each becomes its own run). New
+        hashes that follow the last block of a run held by this worker alone extend that run: a
+        conversation's turns, stored by one worker in an event each, stay one run, which a walk
+        crosses with one lookup instead of one per turn."""
         bit = 1 << entry.slot
         blocks, mine = self._blocks, entry.blocks
         fresh = None  # the run new hashes are appended to
         seg_run, segment = None, []  # consecutive hashes of one existing run
+        previous = parent_hash  # the block before h in the chain
         for h in hashes:
             run = blocks.get(h)
             if run is None:
-                if fresh is None or not as_chain:
+                if not as_chain:
                     fresh = _Run(bit, array("Q"))
+                elif fresh is None:
+                    before = None if previous is None else blocks.get(previous)
+                    if before is not None and before.mask == bit and before.hashes[-1] == previous:
+                        fresh = before
+                    else:
+                        fresh = _Run(bit, array("Q"))
                 fresh.hashes.append(h)
                 blocks[h] = fresh
             else:
@@ -196,6 +211,7 @@ class KVIndex:
                     seg_run = run
                     segment.append(h)
             mine.add(h)
+            previous = h
         if segment:
             self._set_mask(seg_run, segment, seg_run.mask | bit)
         while len(blocks) > self.max_blocks:
@@ -398,11 +414,23 @@ def _bits(mask: int):
 
 
 def bit_positions(mask: int) -> list[int]:
-    """Positions of the set bits of `mask` (>= 0), lowest first. Past 16 bits, numpy unpacks the
-    bytes (~3.5 us warm, several times that with cold caches between decisions): a Python loop costs
-    ~0.25 us a bit on a 4,096-bit mask (each step copies the int)."""
-    if mask.bit_count() <= 16:
+    """Positions of the set bits of `mask` (>= 0), lowest first. A few by clearing the lowest (each
+    step copies the int: ~0.25 us a bit on a 4,096-bit mask); up to BIN_FIND_BITS by finding
+    the '1's of its binary text (str.find runs in C; no numpy, whose code is cold in cache between
+    decisions: a listed mask's load order took 97 us at p99 inside the run with numpy here, 56
+    without); past that, numpy unpacks the bytes (~3.5 us warm)."""
+    count = mask.bit_count()
+    if count <= CLEAR_LOWEST_BITS:
         return list(_bits(mask))
+    if count <= BIN_FIND_BITS:
+        text = bin(mask)[:1:-1]  # lowest bit first
+        find = text.find
+        positions = []
+        i = find("1")
+        while i >= 0:
+            positions.append(i)
+            i = find("1", i + 1)
+        return positions
     raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
     # nonzero on a bool view: 6x faster than on the uint8 bits (numpy 2.x, 4,096 bits: ~1.3 us)
     return np.unpackbits(raw, bitorder="little").view(bool).nonzero()[0].tolist()

@@ -16,7 +16,9 @@ average as the run ended. Runs side by side share the machine's caches: use --jo
 --profile times the phases of every decision of one run (index walk, in-flight lookup, load order,
 cost, hysteresis, pending record; phases of older trees where they exist) and the work between decisions (event batches, load
 updates) by wrapping those functions with a clock: each wrapper adds ~0.2 us to what it wraps, so
-the phases are read as shares, the run's own figures without --profile.
+the phases are read as shares, the run's own figures without --profile. Each phase is also given
+for the slowest 1% of decisions by CPU time (what the p99 is made of; preempted ones left out): its
+mean time within them and its share of their time.
 """
 
 import argparse
@@ -110,6 +112,10 @@ def profile(workers: int, workload: str, seed: int, requests: int, load: float) 
     import importlib
 
     times: dict[str, list[int]] = defaultdict(list)
+    # the decision each phase's call fell in (-1: between decisions), for the slowest decisions' shares
+    during: dict[str, list[int]] = defaultdict(list)
+    decision_no = [-1]
+    decision_cpu: list[int] = []  # each decision's thread CPU time: picks the slowest (not preemption)
     undo = []
     for label, module_name, path in PHASES:
         owner = importlib.import_module(module_name)
@@ -119,30 +125,62 @@ def profile(workers: int, workload: str, seed: int, requests: int, load: float) 
         if owner is None or not hasattr(owner, name):
             continue
         original = getattr(owner, name)
-        setattr(owner, name, _timed(original, times[label]))
+        if label == PHASES[0][0]:
+            timed = _timed(original, times[label], during[label], decision_no, cpu=decision_cpu)
+        else:
+            timed = _timed(original, times[label], during[label], decision_no)
+        setattr(owner, name, timed)
         undo.append((owner, name, original))
     try:
         result = measure(workers, workload, seed, requests, load)
     finally:
         for owner, name, original in reversed(undo):
             setattr(owner, name, original)
-    decisions = times[PHASES[0][0]]
-    total = sum(decisions)
+    decisions = np.array(times[PHASES[0][0]], dtype=np.float64)
+    total = decisions.sum()
+    # the slowest 1% of decisions by CPU time (preemption left out): what their time is spent on
+    slow = np.zeros(len(decisions), dtype=bool)
+    slow[np.argsort(np.array(decision_cpu))[-max(1, len(decisions) // 100):]] = True
+    slow_total = decisions[slow].sum()
     phases = {}
     for label, _, _ in PHASES:
         ns = np.array(times.get(label, []), dtype=np.float64)
         if not len(ns):
             continue
+        at = np.array(during[label], dtype=np.intp)
+        in_slow = (at >= 0) & slow[np.maximum(at, 0)]
         phases[label] = {"calls": len(ns), "per_decision": len(ns) / len(decisions),
                          "mean_us": ns.mean() / 1e3, "p50_us": np.percentile(ns, 50) / 1e3,
-                         "p99_us": np.percentile(ns, 99) / 1e3, "share": ns.sum() / total}
+                         "p99_us": np.percentile(ns, 99) / 1e3, "share": ns.sum() / total,
+                         "slowest_1pct_mean_us": ns[in_slow].sum() / 1e3 / slow.sum(),
+                         "slowest_1pct_share": ns[in_slow].sum() / slow_total}
     return {**result, "phases": phases}
 
 
-def _timed(fn, sink: list[int]):
+def _timed(fn, sink: list[int], during: list[int], decision_no: list[int],
+           cpu: list[int] | None = None):
+    """`fn` with its calls' times appended to `sink` and the decision each fell in to `during`
+    (with `cpu`: fn is the decision, numbered as it starts, -1 once it has returned, and its thread
+    CPU time appended to `cpu`)."""
     clock = time.perf_counter_ns
+    if cpu is not None:
+        cpu_clock = time.thread_time_ns
+
+        def decision(*args, **kwargs):
+            decision_no[0] = len(sink)
+            during.append(decision_no[0])
+            c0 = cpu_clock()
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sink.append(clock() - t0)
+                cpu.append(cpu_clock() - c0)
+                decision_no[0] = -1
+        return decision
 
     def wrapper(*args, **kwargs):
+        during.append(decision_no[0])
         t0 = clock()
         try:
             return fn(*args, **kwargs)
@@ -192,7 +230,8 @@ def format_profile(result: dict) -> str:
              f"{result['requests']} requests (wrapped: read the shares)"]
     for label, p in result["phases"].items():
         lines.append(f"{label:40s} {p['per_decision']:5.2f}/decision  mean {p['mean_us']:7.1f} us  "
-                     f"p50 {p['p50_us']:7.1f}  p99 {p['p99_us']:8.1f}  share {p['share']:6.1%}")
+                     f"p50 {p['p50_us']:7.1f}  p99 {p['p99_us']:8.1f}  share {p['share']:6.1%}  "
+                     f"slowest 1%: {p['slowest_1pct_mean_us']:7.1f} us {p['slowest_1pct_share']:6.1%}")
     return "\n".join(lines)
 
 

@@ -9,8 +9,8 @@ PROMPT = list(range(5 * B))  # 5 full blocks
 H = block_hashes(PROMPT, B)
 
 
-def stored(hashes):
-    return BlockStored(block_hashes=list(hashes), parent_hash=None, num_tokens=len(hashes) * B)
+def stored(hashes, parent_hash=None):
+    return BlockStored(block_hashes=list(hashes), parent_hash=parent_hash, num_tokens=len(hashes) * B)
 
 
 def batch(worker, seq, *events, epoch=0):
@@ -177,6 +177,25 @@ def test_a_part_of_a_run_stored_or_removed_splits_it_and_the_walk_still_counts_p
     assert index.overlap(chain[6:]) == {"a": 6, "b": 2}  # a prompt may start inside a run
 
 
+def test_a_chain_continued_by_its_only_holder_extends_its_run():
+    """A conversation's turns, stored by one worker in an event each, are one run (one lookup for
+    the walk); a block held by another worker too, or a parent that is not a run's last block,
+    starts a new run. The walk's answers are per block either way."""
+    index = KVIndex()
+    chain = block_hashes(list(range(12 * B)), B)
+    index.apply(batch("a", 0, stored(chain[:4])))
+    index.apply(batch("a", 1, stored(chain[4:7], chain[3])))  # the next turn, by its parent
+    index.apply(batch("a", 2, stored(chain[7:9], chain[6]), stored(chain[9:10], chain[8])))
+    assert list(index._blocks[chain[0]].hashes) == chain[:10]
+    index.apply(batch("b", 0, stored(chain[:2])))  # shared now: a's later blocks start a new run
+    index.apply(batch("a", 3, stored(chain[10:11], chain[9])))
+    assert list(index._blocks[chain[2]].hashes) == chain[2:11]
+    index.apply(batch("b", 1, stored(chain[2:3], chain[1])))  # b's block is a's run's first: no merge
+    assert list(index._blocks[chain[2]].hashes) == chain[2:3]
+    assert list(index._blocks[chain[3]].hashes) == chain[3:11]
+    assert index.overlap(chain) == {"b": 3, "a": 11}
+
+
 def _reference_overlap(holdings: dict[str, set[int]], query: list[int]) -> dict[str, int]:
     expected = {}
     for wid, held in holdings.items():
@@ -214,8 +233,8 @@ def test_runs_stay_consistent_under_random_stores_removals_evictions_and_snapsho
             assert index.apply_snapshot(KVSnapshot(wid, 0, seq + 5, snap))
             seqs[wid] = seq + 6
             continue
-        event = (stored(chain[:hi]) if kind < 0.6 else BlockRemoved(block_hashes=chain[lo:hi])
-                 if kind < 0.97 else AllCleared())
+        event = (stored(chain[:hi]) if kind < 0.4 else stored(chain[lo:hi], chain[lo - 1] if lo else None)
+                 if kind < 0.6 else BlockRemoved(block_hashes=chain[lo:hi]) if kind < 0.97 else AllCleared())
         assert index.apply(batch(wid, seqs.get(wid, 0), event))
         seqs[wid] = seqs.get(wid, 0) + 1
         holdings = {w: index.worker_blocks(w) for w in index.worker_ids}

@@ -62,7 +62,10 @@ def test_load_order_follows_the_worker_set_through_loads_membership_health_and_c
         assert count == sum(1 for k in outside.values() if k == bucket.key)
         members = {order.pick(bucket, i, excluded) for i in range(count)}
         assert members == {w for w, k in outside.items() if k == bucket.key}
-    assert len(order._heap) <= 2 * len(order._buckets) + 65  # emptied buckets do not pile up
+    # one bucket per eligible load, by ascending cost: emptied buckets leave the order
+    costs = [b.cost for b in order._sorted]
+    assert {b.key for b in order._sorted} == set(keys.values()) and len(costs) == len(set(keys.values()))
+    assert costs == sorted(costs) == [load_cost(b.key, WEIGHTS) for b in order._sorted]
 
 
 def test_idle_workers_share_one_bucket():
@@ -73,7 +76,7 @@ def test_idle_workers_share_one_bucket():
         ws.add(f"w{i}")
     ws.update_load(WorkerLoad("w7", running=1))
     [(bucket, count)] = order.cheapest(["w3"])  # one bucket: the idle ones, w3 left out
-    assert count == 998 and len(order._buckets) == 2
+    assert count == 998 and len(order._sorted) == 2
     assert {order.pick(bucket, i, ["w3"]) for i in range(count)} == {f"w{i}" for i in range(1000)} - {"w3", "w7"}
 
 
