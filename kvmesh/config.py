@@ -41,7 +41,7 @@ class EngineConfig:
     # Ranks (GPUs, or CPU processes) one engine's model is split over by heads (worker/tensor_parallel.py)
     tensor_parallel_size: int = 1
     # None: weights in `dtype`; "fp8": the linear layers' weights quantized to FP8 (e4m3, one scale
-    # per tensor) at load, activations per tensor at each call (worker/layers/fp8.py), as vLLM's
+    # per tensor) at load, activations per token at each call (worker/layers/fp8.py), as vLLM's
     quantization: str | None = None
 
     def __post_init__(self):

@@ -45,7 +45,7 @@ class EngineSection(_Strict):
     torch_compile: bool = Field(False, description="torch.compile each layer's work outside attention (fuses residual adds into the norms, q/k norm into rotary); compiles when the worker starts.")
     seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each worker splits its model over by attention heads (tensor parallelism, one process per GPU, NCCL); the worker is still one replica to the router. Needs replicas.num_gpus equal to it (or 0: CPU processes with gloo, for tests).")
-    quantization: Literal["fp8"] | None = Field(None, description="Weight quantization at load: null = weights in dtype; fp8 = the linear layers' weights in FP8 (e4m3, one scale per tensor, activations scaled per tensor at each step; vLLM's --quantization fp8), half their memory. Needs a GPU of compute capability 8.9+ (Ada, Hopper); not for mixture-of-experts models.")
+    quantization: Literal["fp8"] | None = Field(None, description="Weight quantization at load: null = weights in dtype; fp8 = the linear layers' weights in FP8 (e4m3, one scale per tensor, activations scaled per token at each step; vLLM's --quantization fp8 with per-token activation scales), half their memory. Needs a GPU of compute capability 8.9+ (Ada, Hopper); not for mixture-of-experts models.")
 
 
 class ReplicasSection(_Strict):
