@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_E4M3_MAX = 448.0
+from kvmesh.kernels.store_kvcache import FP8_E4M3_MAX
 MAX_BLOCK = 8192  # a longer row is read in blocks of this many, twice (amax, then quantize)
 
 

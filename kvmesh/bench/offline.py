@@ -191,8 +191,6 @@ def _write_prompt_logprobs(llm, prompts: list[list[int]], args) -> None:
     what the engine ran, for `kvmesh bench logprob-diff`."""
     from kvmesh import SamplingParams
 
-    if args.logprobs_prompts < 1:
-        raise ValueError(f"--logprobs-prompts must be >= 1, got {args.logprobs_prompts}")
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     config = llm.engine.config
@@ -210,6 +208,8 @@ def _workload(args):
 
     if args.num_prompts < 1 or args.min_len < 1 or args.max_input_len < args.min_len:
         raise ValueError("need --num-prompts >= 1 and 1 <= --min-len <= --max-input-len")
+    if args.logprobs_out and args.logprobs_prompts < 1:  # checked before the run, not after it
+        raise ValueError(f"--logprobs-prompts must be >= 1, got {args.logprobs_prompts}")
     if args.workload == "shared-prefix":
         max_output = 64 if args.max_output_len is None else args.max_output_len
         if max_output < 1 or args.prefix_len < 1 or args.num_prefixes < 1:

@@ -19,7 +19,7 @@ import torch
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.worker.layers.fp8 import (_scaled_mm_fits, dequantize, fp8_linear, quantize_per_tensor,
-                                      quantize_per_token, quantize_per_token_torch)
+                                      quantize_per_token, quantize_per_token_torch, row_scale)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,8 +46,7 @@ def test_scaled_mm_matches_the_reference_math(name, num_tokens):
     w_q, w_scale = quantize_per_tensor(weight)
     assert _scaled_mm_fits(x, w_q)  # the cuBLAS path, not the fallback
     expected = reference(x, w_q, w_scale)
-    row_scale = w_scale.reshape(1, 1).expand(1, out_features).contiguous()  # as the model stores it
-    for scale in (w_scale, row_scale):
+    for scale in (w_scale, row_scale(w_scale, out_features)):  # the second as the model stores it
         out = fp8_linear(x, w_q, scale)
         torch.testing.assert_close(out.float(), expected.float(), rtol=GEMM_RTOL,
                                    atol=GEMM_RTOL * expected.float().abs().max().item())

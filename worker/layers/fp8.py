@@ -35,8 +35,7 @@ _INV_FP8_MAX = 1.0 / FP8_MAX
 def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x as float8_e4m3fn, its float32 scale of shape [1]): x ~= q.float() * scale."""
     scale = (x.abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE).reshape(1)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    return _to_fp8(x, scale), scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +51,16 @@ def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     # amax times 1/448 (a float32 constant), as the kernel: CUDA's division by a scalar multiplies
     # by its reciprocal, the CPU's divides, so this form is the one both devices compute alike
     scale = (x.abs().amax(dim=-1, keepdim=True).float() * _INV_FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    return _to_fp8(x, scale), scale
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def row_scale(scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A weight's one scale [1] as the [1, out_features] row that row-wise _scaled_mm takes."""
+    return scale.reshape(1, 1).expand(1, out_features).contiguous()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -76,7 +83,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x_q, x_scale = quantize_per_token(x2)  # x_q contiguous: _scaled_mm's first operand is row-major
     if _scaled_mm_fits(x2, weight):
         if weight_scale.dim() == 1:
-            weight_scale = weight_scale.reshape(1, 1).expand(1, weight.shape[0]).contiguous()
+            weight_scale = row_scale(weight_scale, weight.shape[0])
         # weight.t() of a contiguous [out, in] tensor is the column-major [in, out] operand it needs
         y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype)
     else:
@@ -96,8 +103,7 @@ def quantize_linear_weights(model: nn.Module) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             q, scale = quantize_per_tensor(module.weight.data)
             module.weight = nn.Parameter(q, requires_grad=False)
-            # the one scale as a row, the form row-wise _scaled_mm takes (no expand at each call)
-            module.weight_scale = scale.reshape(1, 1).expand(1, q.shape[0]).contiguous()
+            module.weight_scale = row_scale(scale, q.shape[0])  # stored as a row: no expand at each call
             count += 1
     return count
 
