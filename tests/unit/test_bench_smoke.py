@@ -143,3 +143,18 @@ def test_logprobs_out_and_logprob_diff_measure_fp8_weights_against_bf16(capsys, 
     assert fp8["runs"]["quantization"] == [None, "fp8"]
     assert main(["bench", "logprob-diff", str(files["bf16"]), str(files["fp8"])]) == 0
     assert "max" in capsys.readouterr().out
+
+
+def test_logprob_diff_refuses_files_of_different_runs_and_a_bad_count_fails_before_the_run(capsys):
+    from kvmesh.bench.logprob_diff import compare
+
+    one = {"model": "m", "prompt_lengths": [3], "prompt_logprobs": [[-1.0, -2.0]],
+           "attention_backend": "torch", "kv_cache_dtype": "auto", "quantization": None}
+    with pytest.raises(ValueError, match="different runs"):
+        compare(one, {**one, "prompt_lengths": [4]})
+    with pytest.raises(ValueError, match="different runs"):
+        compare(one, {**one, "model": "other"})
+    # --logprobs-prompts 0 is refused by the workload check, before any engine is built or run
+    assert main(["bench", "offline", *TINY, "--num-prompts", "3", "--logprobs-out", "/nonexistent/x.json",
+                 "--logprobs-prompts", "0", "--json"]) == 2
+    assert "--logprobs-prompts must be >= 1, got 0" in capsys.readouterr().err
