@@ -540,8 +540,9 @@ def test_a_non_streaming_client_that_gives_up_is_counted_as_aborted(cluster, ope
 
     abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
     before = settled_count(cluster, abort)
-    # the client closes its connection after 1 s; the request asks for nearly the whole context (2,000 of 2,048
-    # tokens), which the tiny model does not make in 1 s even on an idle machine (1,500 it made in 1.5 s offline, so a 2 s timeout was flaky)
+    # the client closes its connection after 1 s; the request asks for nearly the whole context
+    # (2,000 of 2,048 tokens), which the tiny model makes in 2 s offline on an idle machine (with
+    # 1,500 tokens and a 2 s timeout the request sometimes finished first)
     with pytest.raises(openai.APITimeoutError):
         openai_client.completions.create(model=MODEL, prompt="wait for me", max_tokens=2000,
                                          temperature=0, extra_body={"ignore_eos": True}, timeout=1)
