@@ -6,7 +6,8 @@ from contextlib import nullcontext
 
 
 class StepProbe:
-    def __init__(self, engine, profile_step: int | None = None, profile_path: str | None = None):
+    def __init__(self, engine, profile_step: int | None = None, profile_path: str | None = None,
+                 profile_window: tuple[int, int] | None = None):
         self.engine = engine
         self.steps: list[tuple[list[int], list[int], int]] = []  # (query_lens, seq_lens, num_sampled)
         self.step_seconds = 0.0
@@ -14,6 +15,10 @@ class StepProbe:
         self.profile_step = profile_step
         self.profile_path = profile_path
         self.profile_table: str | None = None
+        self.profile_window = profile_window
+        self.window: dict | None = None  # what the GPU did over profile_window's steps
+        self._window_profiler = None
+        self._window_start, self._window_first = 0.0, 0
         self._runner_execute = engine.runner.execute
         self._engine_step = engine.step
         engine.runner.execute = self._execute
@@ -28,10 +33,33 @@ class StepProbe:
         self.step_seconds = self.execute_seconds = 0.0
 
     def _step(self):
+        self._follow_window()
         start = time.perf_counter()
         out = self._engine_step()
         self.step_seconds += time.perf_counter() - start
         return out
+
+    def _follow_window(self) -> None:
+        """Profile the device's kernels (no host activity: the host loop runs at its own speed) from
+        the window's first step to its last, then measure how busy the GPU was in that wall time."""
+        if self.profile_window is None or self.window is not None:
+            return
+        first, last = self.profile_window
+        if self._window_profiler is None and len(self.steps) >= first:
+            self._window_profiler = _profiler(host=False)
+            self._window_profiler.start()
+            self._window_start, self._window_first = time.perf_counter(), len(self.steps)
+        elif self._window_profiler is not None and len(self.steps) >= last:
+            _sync_cuda()
+            wall = time.perf_counter() - self._window_start
+            self._window_profiler.stop()
+            self.window = gpu_busy(self._window_profiler, wall, len(self.steps) - self._window_first)
+
+    def finish(self) -> None:
+        """Close a window the run ended inside."""
+        if self._window_profiler is not None and self.window is None:
+            self.profile_window = (0, 0)
+            self._follow_window()
 
     def _execute(self, output, *args):
         scheduled = output.scheduled
@@ -51,10 +79,53 @@ class StepProbe:
         return result
 
 
-def _profiler():
+def _sync_cuda() -> None:
     import torch
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
+    """The union of the device's kernel and copy intervals in a profile, against the wall time it
+    covered: near 1, the GPU bounds the run; well under 1, the host does."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    spans, by_name = [], {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            spans.append((start, start + dur))
+            by_name[e["name"]] = by_name.get(e["name"], 0.0) + dur
+    busy_us = union_length(spans)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {"steps": steps, "wall_ms": wall_seconds * 1e3, "gpu_busy_ms": busy_us / 1e3,
+            "gpu_busy_fraction": busy_us / 1e6 / wall_seconds if wall_seconds > 0 else 0.0,
+            "kernels": len(spans), "kernel_ms_by_name": {name[:80]: us / 1e3 for name, us in top}}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (kernels overlapping on streams count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _profiler(host: bool = True):
+    import torch
+
+    # without a GPU a window profiles the host (its report then counts no device time)
+    activities = [torch.profiler.ProfilerActivity.CPU] if host or not torch.cuda.is_available() else []
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return torch.profiler.profile(activities=activities)

@@ -61,6 +61,10 @@ def add_arguments(p) -> None:
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step of the run (torch.profiler) and print where its time goes")
     p.add_argument("--profile-trace", default=None, help="write the profiled step's Chrome trace here")
+    p.add_argument("--profile-window", default=None, metavar="FIRST:LAST",
+                   help="profile the GPU's kernels from step FIRST to step LAST of the run (no host "
+                        "tracing) and report how busy the GPU was over that wall time: whether the "
+                        "device or the host loop bounds the run")
     p.add_argument("--structured-outputs", choices=["none", "json"], default="none",
                    help="json: every request's output must match STRUCTURED_SCHEMA (an object holding "
                         "an array of strings), to measure the grammar mask's cost; a request may then "
@@ -96,6 +100,9 @@ def run(args) -> int:
     from kvmesh.bench.floor import FloorCounter, ModelShape, measure_ceilings
     from kvmesh.bench.peers import run_peer
 
+    window = _window(args.profile_window) if getattr(args, "profile_window", None) else None
+    if window is not None and args.profile_step is not None:
+        raise ValueError("--profile-window and --profile-step each run a profiler: give one")
     workload, is_reference = _workload(args)
     if args.max_model_len is None:  # room for the longest request, in steps of 1,024
         longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens))
@@ -113,7 +120,7 @@ def run(args) -> int:
     # warm-up: compile kernels, touch the allocator (not timed)
     llm.generate(prompt_token_ids=[[i % vocab for i in range(args.min_len)]] * 2,
                  sampling_params=SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)
-    probe = StepProbe(engine, args.profile_step, args.profile_trace)
+    probe = StepProbe(engine, args.profile_step, args.profile_trace, window)
     structured = (StructuredOutputs(json=STRUCTURED_SCHEMA)
                   if getattr(args, "structured_outputs", "none") == "json" else None)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=m,
@@ -126,6 +133,7 @@ def run(args) -> int:
     outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=True)
     _sync(device)
     seconds = time.perf_counter() - start
+    probe.finish()
     probe.detach()
 
     output_tokens = sum(len(o.token_ids) for o in outputs)
@@ -179,11 +187,23 @@ def run(args) -> int:
         result["peers"][name] = peer
     if probe.profile_table:
         result["profile"] = probe.profile_table
+    if probe.window is not None:
+        result["profile_window"] = probe.window
     if args.json:
         print(json.dumps(result))
     else:
         print_table(result)
     return 0
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        first, last = (int(x) for x in text.split(":"))
+    except ValueError:
+        first = last = -1
+    if not 0 <= first < last:
+        raise ValueError(f"--profile-window must be FIRST:LAST with 0 <= FIRST < LAST, got {text!r}")
+    return first, last
 
 
 def _write_prompt_logprobs(llm, prompts: list[list[int]], args) -> None:
@@ -256,6 +276,12 @@ def print_table(r: dict) -> None:
           f"execute {r['execute_seconds']:.2f} s")
     if r.get("profile"):
         print(r["profile"])
+    if r.get("profile_window"):
+        w = r["profile_window"]
+        print(f"  GPU over {w['steps']} steps: busy {w['gpu_busy_ms']:.1f} of {w['wall_ms']:.1f} ms wall "
+              f"({w['gpu_busy_fraction']:.1%}), {w['kernels']} kernels and copies; most time:")
+        for name, ms in w["kernel_ms_by_name"].items():
+            print(f"    {ms:9.2f} ms  {name}")
 
 
 def _sync(device) -> None:

@@ -158,3 +158,26 @@ def test_logprob_diff_refuses_files_of_different_runs_and_a_bad_count_fails_befo
     assert main(["bench", "offline", *TINY, "--num-prompts", "3", "--logprobs-out", "/nonexistent/x.json",
                  "--logprobs-prompts", "0", "--json"]) == 2
     assert "--logprobs-prompts must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_profile_window_reports_the_steps_it_covered_and_refuses_a_bad_range(capsys):
+    """--profile-window FIRST:LAST profiles the device's kernels over those steps and reports their
+    wall time and how busy the GPU was (here, without a GPU, no device time); a reversed range or
+    one given with --profile-step exits 2 before any engine is built."""
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "3", "--max-input-len", "24",
+                          "--max-output-len", "12", "--min-len", "4", "--profile-window", "2:6", "--json"])
+    window = r["profile_window"]
+    assert window["steps"] == 4 and window["wall_ms"] > 0
+    assert window["gpu_busy_ms"] == 0.0 and window["gpu_busy_fraction"] == 0.0  # no device here
+    assert main(["bench", "offline", *TINY, "--profile-window", "6:2"]) == 2
+    assert "FIRST:LAST with 0 <= FIRST < LAST, got '6:2'" in capsys.readouterr().err
+    assert main(["bench", "offline", *TINY, "--profile-window", "1:3", "--profile-step", "2"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_union_length_counts_overlapping_spans_once():
+    from kvmesh.bench.engine_probe import union_length
+
+    assert union_length([]) == 0.0
+    assert union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]) == 4.0
+    assert union_length([(4.0, 5.0), (0.0, 1.0)]) == 2.0
