@@ -5,7 +5,11 @@
 #                                     and a count of outcomes last; flashinfer's JIT cache saved to $OUT
 #   bash bench/gpu_check.sh offline   nano-vllm's workload, one run at a time: triton and flashinfer,
 #                                     bf16 / FP8 KV / FP8 weights (RUNS="backend kv weights;..." picks);
-#                                     a summary line per run and its logprob difference against bf16
+#                                     a summary line per run and its logprob difference against bf16;
+#                                     MODEL=... another model, ARGS="..." more options for every run,
+#                                     TAG=name keeps the runs in $OUT/name (one tag per model)
+# Carrying .fa-src (../shared/device/flash_attn_src.sh) builds flash-attn first (~100 s) and saves the
+# build as $OUT/fa.tgz, which a later call carries as .fa-tgz/fa.tgz instead.
 source bench/gpu_env.sh
 nvidia-smi -L >&2
 case "${1:-tests}" in
@@ -22,17 +26,20 @@ case "${1:-tests}" in
     echo "outcomes: $(grep -cE ' PASSED' $OUT/gpu_tests.log) passed, $(grep -cE ' FAILED' $OUT/gpu_tests.log) failed," \
          "$(grep -cE ' SKIPPED' $OUT/gpu_tests.log) skipped, $(grep -cE ' ERROR' $OUT/gpu_tests.log) errors" ;;
   offline)  # each run also scores the first 32 prompts for `bench logprob-diff` against bf16
+    [ -n "${TAG:-}" ] && OUT=$OUT/$TAG && mkdir -p $OUT
     IFS=';' read -ra runs <<< "${RUNS:-triton auto -;flashinfer auto -;flashinfer fp8 -;flashinfer auto fp8}"
     for run in "${runs[@]}"; do
       set -- $run; q=(); [ "$3" = fp8 ] && q=(--quantization fp8)
       name=offline_$1_kv$2_w$3
-      T=150 step "$name" $K bench offline --attention-backend $1 --kv-cache-dtype $2 "${q[@]}" \
+      T=${T:-150} step "$name" $K bench offline --model ${MODEL:-random:qwen3-0.6b} --attention-backend $1 \
+        --kv-cache-dtype $2 "${q[@]}" ${ARGS:-} \
         --logprobs-out $OUT/$name.logprobs.json --json > $OUT/$name.json
     done
     for f in $OUT/offline_*kv*_w*.json; do
       case $f in *.logprobs.json) continue;; esac
       echo "$(basename $f): $(python3 bench/summarize.py $f | cut -d: -f2- | cut -c1-230 | head -1)"
-      base=$OUT/offline_$(basename $f | cut -d_ -f2)_kvauto_w-.logprobs.json
+      python3 bench/summarize.py $f | grep "window of" | cut -c1-700
+      base=$(echo "$f" | sed 's/_kv[^_]*_w[^_]*\.json$/_kvauto_w-.logprobs.json/')
       [ -f "$base" ] && [ "$base" != "${f%.json}.logprobs.json" ] && $K bench logprob-diff "$base" "${f%.json}.logprobs.json"
     done ;;
 esac

@@ -15,6 +15,10 @@ fi
 [ -f .fa-tgz/fa.tgz ] && tar xzf .fa-tgz/fa.tgz -C /tmp
 [ -d .fi-cache ] && (cd /tmp && cat "$OLDPWD"/.fi-cache/fi_cache.tgz.* | tar xzf -) 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.fa-bin:/tmp/fab  # .fa-tgz/fa.tgz unpacks to /tmp/fab
+if [ -d .fa-src ] && [ ! -d /tmp/fab/flash_attn ]; then  # build flash-attn here once, keep it in $OUT
+  _fa=$(python3 .fa-src/build.py .fa-src) && mkdir -p /tmp/fab && cp "${_fa%%:*}"/flash_attn_2_cuda*.so /tmp/fab/ \
+    && cp -r .fa-src/flash_attn /tmp/fab/ && tar czf "$OUT/fa.tgz" -C /tmp fab
+fi
 K="python3 -m kvmesh.cli"
 # step NAME CMD...: run CMD under `timeout $T` (default 200 s), print its exit status and seconds
 step() { local t0=$(date +%s); echo "== $1" >&2; shift; timeout "${T:-200}" "$@"; echo "== rc $? in $(( $(date +%s) - t0 )) s" >&2; }  # status on stderr: stdout may be a JSON file

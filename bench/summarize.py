@@ -18,3 +18,9 @@ for path in sys.argv[1:]:
         print(f"  peer {name}: {p}")
     if r.get("profile"):
         print(r["profile"])
+    if r.get("profile_window"):
+        w = r["profile_window"]
+        print(f"  window of {w['steps']} steps: GPU busy {w['gpu_busy_ms']:.1f} of {w['wall_ms']:.1f} ms "
+              f"({w['gpu_busy_fraction']:.1%}); by tenth of its span "
+              + " ".join(f"{b:.0%}" for b in w.get("gpu_busy_by_tenth", [])) + "; " + "; ".join(f"{ms:.1f} ms {name[:50]}" for name, ms
+                                                               in list(w["kernel_ms_by_name"].items())[:8]))

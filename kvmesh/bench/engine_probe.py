@@ -103,12 +103,21 @@ def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             start, dur = float(e["ts"]), float(e.get("dur", 0.0))
             spans.append((start, start + dur))
-            by_name[e["name"]] = by_name.get(e["name"], 0.0) + dur
+            name = e["name"][:80]  # template variants of one kernel share a name here
+            by_name[name] = by_name.get(name, 0.0) + dur
     busy_us = union_length(spans)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    tenths = []  # busy share of each tenth of the span from the first kernel to the last
+    if spans:
+        first, last = min(s for s, _ in spans), max(e for _, e in spans)
+        width = (last - first) / 10 or 1.0
+        for i in range(10):
+            lo, hi = first + i * width, first + (i + 1) * width
+            tenths.append(union_length([(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]) / width)
     return {"steps": steps, "wall_ms": wall_seconds * 1e3, "gpu_busy_ms": busy_us / 1e3,
             "gpu_busy_fraction": busy_us / 1e6 / wall_seconds if wall_seconds > 0 else 0.0,
-            "kernels": len(spans), "kernel_ms_by_name": {name[:80]: us / 1e3 for name, us in top}}
+            "gpu_busy_by_tenth": tenths,
+            "kernels": len(spans), "kernel_ms_by_name": {name: us / 1e3 for name, us in top}}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
