@@ -1,4 +1,5 @@
-"""The fused Triton RMSNorm, rotary and SiLU-and-mul kernels against the torch code they replace
+"""The fused Triton RMSNorm (alone and with the residual add), rotary (alone and with Qwen3's q / k norms)
+and SiLU-and-mul kernels against the torch code they replace
 (kvmesh.worker.layers on the CPU path), on fresh random bf16 inputs: equal within one bf16 rounding."""
 
 import pytest
@@ -52,3 +53,48 @@ def test_silu_and_mul():
     x = torch.randn(29, 2 * 3072, dtype=torch.bfloat16)
     gate, up = x.split(3072, dim=-1)
     close(silu_and_mul(x.cuda()).cpu(), F.silu(gate) * up)
+
+
+def test_add_rms_norm_equals_the_add_and_the_norm_kernel_bit_for_bit():
+    """The residual form in one launch: the sum is torch's bf16 add, the norm the rms_norm kernel's."""
+    from kvmesh.kernels.rms_norm import add_rms_norm, rms_norm
+    from kvmesh.worker.layers.norm import RMSNorm
+
+    for hidden in (1024, 4096, 96):
+        x = torch.randn(37, hidden, dtype=torch.bfloat16, device="cuda")
+        r = torch.randn(37, hidden, dtype=torch.bfloat16, device="cuda") * 4
+        w = torch.randn(hidden, dtype=torch.bfloat16, device="cuda")
+        normed, total = add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(total, x + r)
+        assert torch.equal(normed, rms_norm(x + r, w, 1e-6))
+        layer = RMSNorm(hidden, 1e-6).to(torch.bfloat16)
+        layer.weight.data = w.cpu()
+        ref_normed, ref_total = layer(x.cpu(), r.cpu())  # the torch path
+        close(normed.cpu(), ref_normed)
+        assert torch.equal(total.cpu(), ref_total)
+
+
+def test_qk_norm_rotary_equals_the_three_kernels_bit_for_bit():
+    """Qwen3's q / k norms and the rotation in one launch, on strided views of a qkv projection."""
+    from kvmesh.kernels.rms_norm import rms_norm
+    from kvmesh.kernels.rotary import apply_qk_norm_rotary, apply_rotary
+    from kvmesh.worker.layers import rotary
+    from kvmesh.worker.layers.norm import RMSNorm
+    from kvmesh.worker.presets import hf_config_for
+
+    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
+    for heads, kv_heads in ((16, 8), (32, 8)):
+        qkv = torch.randn(53, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda")
+        q = qkv[:, :heads * 128].view(53, heads, 128)
+        k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(53, kv_heads, 128)
+        wq, wk = (torch.randn(128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        positions = torch.randint(0, 4096, (53,), device="cuda")
+        fq, fk = apply_qk_norm_rotary(positions, q, k, wq, wk, 1e-6, emb.cos, emb.sin)
+        sq, sk = apply_rotary(positions, rms_norm(q, wq, 1e-6), rms_norm(k, wk, 1e-6), emb.cos, emb.sin)
+        assert torch.equal(fq, sq) and torch.equal(fk, sk)
+        qn, kn = RMSNorm(128, 1e-6).to(torch.bfloat16), RMSNorm(128, 1e-6).to(torch.bfloat16)
+        qn.weight.data, kn.weight.data = wq.cpu(), wk.cpu()
+        emb_cpu = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096)
+        rq, rk = emb_cpu(positions.cpu(), qn(q.cpu()), kn(k.cpu()))  # the torch path
+        for out, ref in ((fq.cpu(), rq), (fk.cpu(), rk)):  # the rotation mixes a row's roundings
+            assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()

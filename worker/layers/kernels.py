@@ -1,3 +1,5 @@
+import os
+
 import torch
 
 
@@ -6,3 +8,10 @@ def use_kernels(x: torch.Tensor) -> bool:
     torch.compile is tracing it, where the plain torch form lets inductor fuse it with its neighbours
     (worker/compile.py)."""
     return x.is_cuda and not torch.compiler.is_compiling()
+
+
+def fuse_norms() -> bool:
+    """Whether the residual add joins its RMSNorm, and Qwen3's q / k norms join the rotation, in one
+    launch each (the same bits as the separate kernels); KVMESH_FUSED_NORMS=0 keeps them apart (A/B
+    runs)."""
+    return os.environ.get("KVMESH_FUSED_NORMS", "1") != "0"
