@@ -63,9 +63,9 @@ def test_load_order_follows_the_worker_set_through_loads_membership_health_and_c
         members = {order.pick(bucket, i, excluded) for i in range(count)}
         assert members == {w for w, k in outside.items() if k == bucket.key}
     # one bucket per eligible load, by ascending cost: emptied buckets leave the order
-    costs = [b.cost for b in order._sorted]
-    assert {b.key for b in order._sorted} == set(keys.values()) and len(costs) == len(set(keys.values()))
-    assert costs == sorted(costs) == [load_cost(b.key, WEIGHTS) for b in order._sorted]
+    costs = [b.cost for b in order._in_order()]
+    assert {b.key for b in order._in_order()} == set(keys.values()) and len(costs) == len(set(keys.values()))
+    assert costs == sorted(costs) == [load_cost(b.key, WEIGHTS) for b in order._in_order()]
 
 
 def test_idle_workers_share_one_bucket():
@@ -76,7 +76,7 @@ def test_idle_workers_share_one_bucket():
         ws.add(f"w{i}")
     ws.update_load(WorkerLoad("w7", running=1))
     [(bucket, count)] = order.cheapest(["w3"])  # one bucket: the idle ones, w3 left out
-    assert count == 998 and len(order._sorted) == 2
+    assert count == 998 and len(list(order._in_order())) == 2
     assert {order.pick(bucket, i, ["w3"]) for i in range(count)} == {f"w{i}" for i in range(1000)} - {"w3", "w7"}
 
 
