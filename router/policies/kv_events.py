@@ -176,10 +176,12 @@ class KVEventsPolicy(Policy):
         for level in range(num_levels):
             cached = tokens[level]
             for group in found[level]:
-                costed.append((worker_cost(num_prompt_tokens, cached, group.key, weights), level, group.mask, None))
+                cost = worker_cost(num_prompt_tokens, cached, group.key, weights)
+                costed.append((cost, level, group.mask, None))
         if in_flight is not None:
             cost = worker_cost(num_prompt_tokens, tokens[-1] if levels else 0, in_flight_key, weights)
-            costed.append((cost - weights.in_flight * in_flight_tokens, max(num_levels - 1, 0), in_flight_bit, None))
+            cost -= weights.in_flight * in_flight_tokens
+            costed.append((cost, max(num_levels - 1, 0), in_flight_bit, None))
         for group in found[-1]:
             costed.append((worker_cost(num_prompt_tokens, 0, group.key, weights), None, group.mask, group))
         if not costed:

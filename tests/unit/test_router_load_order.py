@@ -153,12 +153,14 @@ def test_kv_events_breaks_a_tie_over_every_tied_worker_holders_and_idle_alike():
     assert set(firsts) == {f"w{i}" for i in range(12)} - {"w9"}
 
 
-@pytest.mark.parametrize("chunk_buckets", [1, 4, 64])
-def test_chunks_keep_the_sorted_buckets_and_their_union_through_moves(monkeypatch, chunk_buckets):
-    """The chunks concatenate to the buckets by cost, each holds the union of its buckets' masks and
-    a length within bounds, and cheapest_in of masks of every density (by the chunks: LIST_MEMBERS 0)
-    is the brute-force cheapest members, through joins, moves between loads, ties and departures."""
+@pytest.mark.parametrize("chunk_buckets, chunk_sqrt", [(1, 0), (4, 0), (64, 0), (1, 2)])
+def test_chunks_keep_the_sorted_buckets_and_their_union_through_moves(monkeypatch, chunk_buckets, chunk_sqrt):
+    """The chunks concatenate to the buckets by cost, each holds the union of its buckets' masks (and
+    a length within bounds, for a fixed target), and cheapest_in of masks of every density (by the
+    chunks: LIST_MEMBERS 0) is the brute-force cheapest members, through joins, moves between loads,
+    ties and departures."""
     monkeypatch.setattr(load_order, "CHUNK_BUCKETS", chunk_buckets)
+    monkeypatch.setattr(load_order, "CHUNK_SQRT", chunk_sqrt)
     monkeypatch.setattr(load_order, "LIST_MEMBERS", 0)
     rng = random.Random(6)
     num_workers = 400
@@ -192,7 +194,8 @@ def test_chunks_keep_the_sorted_buckets_and_their_union_through_moves(monkeypatc
                 assert not union & b.mask and b.mask == sum(1 << int(w[1:]) for w in b.members)
                 union |= b.mask
             assert chunk.mask == union
-            assert len(chunks) == 1 or chunk_buckets // 2 <= len(chunk.buckets) <= 2 * chunk_buckets
+            if not chunk_sqrt and len(chunks) > 1:
+                assert chunk_buckets // 2 <= len(chunk.buckets) <= 2 * chunk_buckets
         for density in (0.005, 0.05, 0.3, 1.0):
             members = [w for w in range(num_workers) if rng.random() < density]
             mask = sum(1 << w for w in members)
