@@ -37,8 +37,8 @@ from kvmesh.router.index import bit_positions
 # cheapest: the first chunk meeting it holds its cheapest member, found among the chunk's members of
 # the mask the same way (listed when at most LIST_MEMBERS, else the chunk's buckets in order). A
 # popular prefix's busy holders (17-511 of 4,096 workers) have their cheapest a median 266 buckets
-# down the order (p90 1,089, p99 3,083; 4,096 tenants, seed 100): some 3-40 chunks passed, instead
-# of 17-511 members' costs read (docs/ROUTING.md "Inside the simulator").
+# down the order (p90 1,089, p99 3,083 of ~3,900; 4,096 tenants, seed 100): some 2-24 chunks of
+# ~128 buckets passed, instead of 17-511 members' costs read (docs/ROUTING.md "Inside the simulator").
 LIST_MEMBERS = 16
 # A chunk's target length L is CHUNK_SQRT times the square root of the number of buckets, at least
 # CHUNK_BUCKETS: a chunk longer than 2 L is split in two, one shorter than L / 2 joins its neighbour
