@@ -7,39 +7,46 @@ the second, so the cheapest of them is the first in load order: the kv_events po
 holders of the prompt's blocks exactly and takes the best of the others from here.
 
 Workers with the same load components (`LoadKey`) share a bucket, whose cost is computed once; the
-buckets sit in a list sorted by cost (an update inserts or removes a bucket by bisection, a memmove
-of a few KB at thousands of buckets). Idle workers all share one bucket, so a cold cluster's
-thousand tied workers cost one entry, and a uniform pick among them is O(excluded) (`pick`).
+buckets are kept sorted by cost in chunks of consecutive buckets (as sortedcontainers' SortedList
+keeps its values: an update inserts or removes a bucket by bisection within one chunk). Idle workers
+all share one bucket, so a cold cluster's thousand tied workers cost one entry, and a uniform pick
+among them is O(excluded) (`pick`).
 
 Given `slot_of` (the KV index's slot of a worker, `KVIndex.slot`), each bucket also keeps its members
 as a bitmask of those slots, `mask` is every eligible worker's, and each slot's load cost and bucket
 are kept in arrays indexed by slot: the policy then asks for the cheapest members of a set of
-workers given as a mask (the index's holder levels), `cheapest_in`, without listing the set when its
-cheapest member is in the first buckets. A decision runs with caches that the work between decisions
-has evicted, so what it costs is mostly the distinct objects it touches: the sorted list's first
-entries and their masks, or the slot arrays (docs/ROUTING.md "Inside the simulator").
+workers given as a mask (the index's holder levels), `cheapest_in`, without listing the set: each
+chunk keeps the union of its buckets' masks, so the first chunk whose union meets the set holds its
+cheapest member (one AND per chunk passed, whatever the set's size). A decision runs with caches
+that the work between decisions has evicted, so what it costs is mostly the distinct objects it
+touches: the chunks' masks, the first buckets, or the slot arrays (docs/ROUTING.md "Inside the
+simulator").
 """
 
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from operator import itemgetter
 from typing import NamedTuple
 
 from kvmesh.router.index import bit_positions
 
 # How the cheapest members of a mask are found (cheapest_in): a mask of at most LIST_MEMBERS workers by
-# listing them (their load costs read from the slot array); a mask of at least 1/WALK_SHARE of the
-# eligible workers by walking the sorted buckets from the cheapest for up to WALK_BUCKETS buckets
-# (the workers holding none of a prefix: the first bucket almost always holds one), a smaller one for
-# its first member up to WALK_FIRST_BUCKETS (multiturn's workers without the system prompt are idle:
-# the first bucket or two); the others, and those the walk left, by listing their members (a popular
-# prefix's busy holders sit deep in the order).
+# listing them (their load costs read from the slot array); a larger one by the chunks, from the
+# cheapest: the first chunk meeting it holds its cheapest member, found among the chunk's members of
+# the mask the same way (listed when at most LIST_MEMBERS, else the chunk's buckets in order). A
+# popular prefix's busy holders (17-511 of 4,096 workers) have their cheapest a median 266 buckets
+# down the order (p90 1,089, p99 3,083 of ~3,900; 4,096 tenants, seed 100): some 2-24 chunks of
+# ~128 buckets passed, instead of 17-511 members' costs read (docs/ROUTING.md "Inside the simulator").
 LIST_MEMBERS = 16
-WALK_SHARE = 8
-WALK_BUCKETS = 16
-WALK_FIRST_BUCKETS = 4
+# A chunk's target length L is CHUNK_SQRT times the square root of the number of buckets, at least
+# CHUNK_BUCKETS: a chunk longer than 2 L is split in two, one shorter than L / 2 joins its neighbour
+# (any length when it is the only one). A longer chunk means fewer chunks passed, more of the mask's
+# members in the one found: inside the simulator 64 was faster than 128 at 1,024 workers (~1,000
+# buckets) and 128 than 64 or 256 at 4,096 (~3,900 buckets; 512 doubled the p99).
+CHUNK_BUCKETS = 64
+CHUNK_SQRT = 2
 
 
 class LoadKey(NamedTuple):
@@ -65,14 +72,35 @@ class Group(NamedTuple):
 
 class _Bucket:
     """The eligible workers of one load key: `members` in the order `pick` counts them, `mask` their
-    slot bits (with slot_of)."""
-    __slots__ = ("cost", "key", "members", "mask")
+    slot bits (with slot_of), `chunk` the chunk it sits in."""
+    __slots__ = ("cost", "key", "members", "mask", "chunk")
 
     def __init__(self, cost: float, key: LoadKey):
         self.cost = cost
         self.key = key
         self.members: list[str] = []
         self.mask = 0
+        self.chunk: _Chunk | None = None
+
+
+class _Chunk:
+    """Consecutive buckets of the sorted order, their costs (for bisection), and `mask` the union of
+    their masks. A worker is in one bucket, so the buckets' masks are disjoint and a member joining or
+    leaving one of them sets or clears its bit in the chunk's mask too."""
+    __slots__ = ("buckets", "costs", "mask")
+
+    def __init__(self, buckets: list[_Bucket]):
+        self.buckets = buckets
+        self.costs = array("d", [bucket.cost for bucket in buckets])
+        mask = 0
+        for bucket in buckets:
+            bucket.chunk = self
+            mask |= bucket.mask
+        self.mask = mask
+
+
+def _last_cost(chunk: _Chunk) -> float:
+    return chunk.costs[-1]
 
 
 class LoadOrder:
@@ -85,8 +113,7 @@ class LoadOrder:
         self._key_of: dict[str, LoadKey] = {}
         self._by_key: dict[LoadKey, _Bucket] = {}  # non-empty buckets
         self._place: dict[str, int] = {}  # worker -> its index in its bucket's members
-        self._sorted: list[_Bucket] = []  # every non-empty bucket by ascending cost
-        self._sorted_cost = array("d")  # their costs, for bisection
+        self._chunks: list[_Chunk] = []  # every non-empty bucket by ascending cost, in chunks
         # with slot_of:
         self._bit: dict[str, int] = {}  # worker -> its bit, as slot_of said when it joined
         self._by_slot: list[str | None] = []  # slot -> eligible worker
@@ -148,13 +175,12 @@ class LoadOrder:
         bucket = self._by_key.get(key)
         if bucket is None:
             bucket = self._by_key[key] = _Bucket(self.load_cost(key), key)
-            i = bisect_right(self._sorted_cost, bucket.cost)
-            self._sorted_cost.insert(i, bucket.cost)
-            self._sorted.insert(i, bucket)
+            self._insert(bucket)
         self._place[worker_id] = len(bucket.members)
         bucket.members.append(worker_id)
         if bit:
             bucket.mask |= bit
+            bucket.chunk.mask |= bit
             slot = bit.bit_length() - 1
             self._slot_bucket[slot] = bucket
             self._slot_cost[slot] = bucket.cost
@@ -168,14 +194,74 @@ class LoadOrder:
         if last != worker_id:  # the last member takes the freed place
             members[i] = last
             self._place[last] = i
-        bucket.mask ^= bit
+        if bit:
+            bucket.mask ^= bit
+            bucket.chunk.mask ^= bit
         if not members:
             del self._by_key[key]
-            i = bisect_left(self._sorted_cost, bucket.cost)
-            while self._sorted[i] is not bucket:  # among buckets of an equal cost
-                i += 1
-            del self._sorted[i]
-            del self._sorted_cost[i]
+            self._remove(bucket)
+
+    def _insert(self, bucket: _Bucket) -> None:
+        """A new (empty) bucket into the sorted order, after those of an equal cost."""
+        chunks = self._chunks
+        if not chunks:
+            chunks.append(_Chunk([bucket]))
+            return
+        cost = bucket.cost
+        # the first chunk ending above `cost`, else the last
+        i = min(bisect_right(chunks, cost, key=_last_cost), len(chunks) - 1)
+        chunk = chunks[i]
+        j = bisect_right(chunk.costs, cost)
+        chunk.buckets.insert(j, bucket)
+        chunk.costs.insert(j, cost)
+        bucket.chunk = chunk
+        if len(chunk.buckets) > 2 * self._chunk_length():
+            self._split(i)
+
+    def _remove(self, bucket: _Bucket) -> None:
+        """An emptied bucket out of the sorted order."""
+        chunk = bucket.chunk
+        j = bisect_left(chunk.costs, bucket.cost)
+        while chunk.buckets[j] is not bucket:  # among buckets of an equal cost
+            j += 1
+        del chunk.buckets[j]
+        del chunk.costs[j]
+        length = self._chunk_length()
+        if len(chunk.buckets) >= length // 2 and chunk.buckets:
+            return
+        chunks = self._chunks
+        i = chunks.index(chunk)  # identity: chunks define no equality
+        if not chunk.buckets:
+            del chunks[i]
+        elif len(chunks) > 1:  # a short chunk joins its neighbour, split again if that is too long
+            if i == len(chunks) - 1:
+                i -= 1
+            low, high = chunks[i], chunks[i + 1]
+            for moved in high.buckets:
+                moved.chunk = low
+            low.buckets += high.buckets
+            low.costs += high.costs
+            low.mask |= high.mask
+            del chunks[i + 1]
+            if len(low.buckets) > 2 * length:
+                self._split(i)
+
+    def _chunk_length(self) -> int:
+        return max(CHUNK_BUCKETS, CHUNK_SQRT * math.isqrt(len(self._by_key)))
+
+    def _split(self, i: int) -> None:
+        chunk = self._chunks[i]
+        half = len(chunk.buckets) // 2
+        upper = _Chunk(chunk.buckets[half:])
+        del chunk.buckets[half:]
+        del chunk.costs[half:]
+        chunk.mask ^= upper.mask
+        self._chunks.insert(i + 1, upper)
+
+    def _in_order(self) -> Iterator[_Bucket]:
+        """Every non-empty bucket by ascending cost."""
+        for chunk in self._chunks:
+            yield from chunk.buckets
 
     def cheapest(self, excluded: Collection[str] = (), slack: float = 0.0) -> list[tuple[Bucket, int]]:
         """The buckets in (cost, key) order from the first that has a member outside `excluded`,
@@ -188,7 +274,7 @@ class LoadOrder:
             if key is not None:
                 num_excluded[key] = num_excluded.get(key, 0) + 1
         found, first_cost = [], None
-        for bucket in self._sorted:
+        for bucket in self._in_order():
             if first_cost is not None and bucket.cost > first_cost + slack:
                 break
             outside = len(bucket.members) - num_excluded.get(bucket.key, 0)
@@ -203,51 +289,47 @@ class LoadOrder:
         """For each of `masks` (sets of workers as slot bits; needs slot_of), the buckets holding an
         eligible member of it, in (cost, key) order, from the cheapest through every one within
         `slack` of its cost, as groups (the bucket's members in the set); [] when no eligible worker
-        is in the set. A set of up to LIST_MEMBERS eligible workers is listed (O(members)); the
-        others walk the sorted buckets from the cheapest, a set of at least 1/WALK_SHARE of the
-        eligible for up to WALK_BUCKETS buckets, a smaller one for its first member up to
-        WALK_FIRST_BUCKETS; the sets the walk left are listed."""
+        is in the set. A set of up to LIST_MEMBERS eligible workers is listed (O(members)); a larger
+        one found by the chunks (O(chunks passed + the members in the first chunk meeting it))."""
         found: list[list[Group]] = []
         eligible = self.mask
-        num_eligible = len(self._key_of)
         for mask in masks:
             mask &= eligible
             if not mask:
                 found.append([])
-                continue
-            num_members = mask.bit_count()
-            if num_members <= LIST_MEMBERS:
+            elif mask.bit_count() <= LIST_MEMBERS:
                 found.append(self._listed(mask, slack))
-            elif num_members * WALK_SHARE >= num_eligible:
-                found.append(self._walked(mask, slack, WALK_BUCKETS))
             else:
-                found.append(self._walked(mask, slack, WALK_FIRST_BUCKETS))
+                found.append(self._chunked(mask, slack))
         return found
 
-    def _walked(self, mask: int, slack: float, first_within: int) -> list[Group]:
-        """cheapest_in of one mask by the sorted buckets: its first member within `first_within`
-        buckets, the rest within WALK_BUCKETS, else listed."""
-        buckets, sorted_cost = self._sorted, self._sorted_cost
-        if buckets and first_within:  # the common case: the cheapest bucket holds one, alone in slack
-            bucket = buckets[0]
-            inside = bucket.mask & mask
-            if inside and (len(sorted_cost) == 1 or sorted_cost[1] > bucket.cost + slack):
-                return [Group(bucket.cost, bucket.key, inside)]
+    def _chunked(self, mask: int, slack: float) -> list[Group]:
+        """cheapest_in of one (non-empty, eligible) mask by the chunks: in the first chunk meeting it,
+        and in the next ones while they start within `slack` of its cheapest."""
         groups: list[Group] = []
-        top = None  # the first group's cost + slack
-        for i, bucket in enumerate(buckets):
-            if top is None:
-                if i >= first_within:
-                    return self._listed(mask, slack)
-            elif sorted_cost[i] > top:
+        top = math.inf  # the first group's cost + slack, once found
+        for chunk in self._chunks:
+            costs = chunk.costs
+            if costs[0] > top:
                 break
-            elif i >= WALK_BUCKETS:
-                return self._listed(mask, slack)
-            inside = bucket.mask & mask
-            if inside:
-                groups.append(Group(bucket.cost, bucket.key, inside))
-                if top is None:
-                    top = bucket.cost + slack
+            inside = chunk.mask & mask
+            if not inside:
+                continue
+            if inside.bit_count() <= LIST_MEMBERS:
+                groups += [g for g in self._listed(inside, slack) if g.cost <= top]
+                if top == math.inf:
+                    top = groups[0].cost + slack
+            else:  # many members here: the first buckets hold one
+                for bucket, cost in zip(chunk.buckets, costs):
+                    if cost > top:
+                        break
+                    held = bucket.mask & inside
+                    if held:
+                        groups.append(Group(cost, bucket.key, held))
+                        if top == math.inf:
+                            top = cost + slack
+            if costs[-1] > top:
+                break
         if len(groups) > 1:
             groups.sort()  # (cost, key): a bucket's key is unique, its mask never compared
         return groups

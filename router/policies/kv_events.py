@@ -150,53 +150,50 @@ class KVEventsPolicy(Policy):
         num_prompt_tokens = request.num_prompt_tokens
         limit = max(num_prompt_tokens - 1, 0)  # at least one prompt token is always computed
         levels = self.index.levels(request.block_hashes)
-        eligible = order.mask
+        num_levels = len(levels)
         in_flight = self._in_flight_of(request, levels, order, limit)  # (bit, key, tokens) or None
         longest = min(levels[-1][0] * block_size, limit) if levels else 0
-        weights = self.weights_for(num_prompt_tokens, longest + (in_flight[2] if in_flight else 0))
-        in_flight_bit = in_flight[0] if in_flight else 0
+        in_flight_bit = 0
+        if in_flight is not None:
+            in_flight_bit, in_flight_key, in_flight_tokens = in_flight
+            weights = self.weights_for(num_prompt_tokens, longest + in_flight_tokens)
+        else:
+            weights = self.weights_for(num_prompt_tokens, longest)
+        eligible = order.mask ^ in_flight_bit  # the in-flight worker (eligible) is costed alone
         holders = 0
         masks = []
         for _, mask in levels:
             holders |= mask
-            masks.append(mask & eligible & ~in_flight_bit)
-        masks.append(eligible & ~holders & ~in_flight_bit)  # the workers holding none of the prefix
+            masks.append(mask & eligible)
+        masks.append(eligible ^ (eligible & holders))  # the workers holding none of the prefix
         found = order.cheapest_in(masks, TIE_SLACK)
+        # One flat list of the costed groups, (cost, level, member bits, load-order group): level i for
+        # the holders of levels[i] (the in-flight worker with the last level, or alone at num_levels
+        # when nobody holds the prefix), None for the workers holding none, whose group is kept for
+        # pick_in. Built in the order a tie is broken in.
         tokens = [min(num_blocks * block_size, limit) for num_blocks, _ in levels]
-        # per level, [(cost, member bits)]; then the in-flight worker alone when it holds nothing
-        costed = [[(worker_cost(num_prompt_tokens, tokens[i], g.key, weights), g.mask) for g in groups]
-                  for i, groups in enumerate(found[:-1])]
-        lone = []
+        costed = []
+        for level in range(num_levels):
+            cached = tokens[level]
+            for group in found[level]:
+                cost = worker_cost(num_prompt_tokens, cached, group.key, weights)
+                costed.append((cost, level, group.mask, None))
         if in_flight is not None:
-            bit, key, in_flight_tokens = in_flight
-            cached = tokens[-1] if levels else 0
-            entry = (worker_cost(num_prompt_tokens, cached, key, weights) - weights.in_flight * in_flight_tokens,
-                     bit)
-            (costed[-1] if levels else lone).append(entry)
-        others = [(worker_cost(num_prompt_tokens, 0, g.key, weights), g) for g in found[-1]]
-        costs = [c for level in costed for c, _ in level] + [c for c, _ in lone] + [c for c, _ in others]
-        if not costs:
+            cost = worker_cost(num_prompt_tokens, tokens[-1] if levels else 0, in_flight_key, weights)
+            cost -= weights.in_flight * in_flight_tokens
+            costed.append((cost, max(num_levels - 1, 0), in_flight_bit, None))
+        for group in found[-1]:
+            costed.append((worker_cost(num_prompt_tokens, 0, group.key, weights), None, group.mask, group))
+        if not costed:
             return None, 0
-        best_cost = min(costs)
-        tied_levels = [_tied(level, best_cost) for level in costed] + [_tied(lone, best_cost)]
-        tied_others = [g for c, g in others if c == best_cost]
-        num_tied = sum(m.bit_count() for m in tied_levels) + sum(g.mask.bit_count() for g in tied_others)
-        pick = int(self._rng.integers(num_tied)) if num_tied > 1 else 0
-        best, best_level = None, None
-        for i, tied in enumerate(tied_levels):
-            count = tied.bit_count()
-            if pick < count:
-                best, best_level = order.worker_at(bit_positions(tied)[pick]), i
-                break
-            pick -= count
+        best_cost = min([entry[0] for entry in costed])
+        tied = [entry for entry in costed if entry[0] == best_cost]
+        if len(tied) == 1 and tied[0][2].bit_count() == 1:  # the common case: one cheapest worker
+            _, best_level, bits, _ = tied[0]
+            best = order.worker_at(bits.bit_length() - 1)
         else:
-            for group in tied_others:
-                count = group.mask.bit_count()
-                if pick < count:
-                    best = order.pick_in(group, pick)
-                    break
-                pick -= count
-        if best_level == len(levels):  # the in-flight worker, holding nothing
+            best, best_level = self._tie_broken(order, tied)
+        if in_flight is not None and not levels:  # the in-flight worker, holding nothing
             best_level = None
         if levels and weights.stay_margin > 0:
             stay = self._level_that_stays(costed, tokens, best_level, best_cost, num_prompt_tokens)
@@ -204,6 +201,29 @@ class KVEventsPolicy(Policy):
                 stay_level, stay_bit = stay
                 best, best_level = order.worker_at(stay_bit.bit_length() - 1), stay_level
         return best, (0 if best_level is None else levels[best_level][0])
+
+    def _tie_broken(self, order: LoadOrder, tied: list) -> tuple[str, int | None]:
+        """(worker, level) drawn uniformly among the members of `tied` (_choose's entries of the best
+        cost): by level, holders by slot within one, then the load order's groups, each in its
+        bucket's order (as a full ranking orders them)."""
+        num_tied = sum(entry[2].bit_count() for entry in tied)
+        pick = int(self._rng.integers(num_tied)) if num_tied > 1 else 0
+        by_level: dict[int, int] = {}  # level -> its tied holders' bits, levels ascending
+        for _, level, bits, group in tied:
+            if group is None:
+                by_level[level] = by_level.get(level, 0) | bits
+        for level, bits in by_level.items():
+            count = bits.bit_count()
+            if pick < count:
+                return order.worker_at(bit_positions(bits)[pick]), level
+            pick -= count
+        for _, _, bits, group in tied:
+            if group is not None:
+                count = bits.bit_count()
+                if pick < count:
+                    return order.pick_in(group, pick), None
+                pick -= count
+        raise AssertionError("the pick is within the tied members")
 
     def _watch(self, workers: WorkerSet) -> LoadOrder:
         if self._watched is not workers:
@@ -245,28 +265,29 @@ class KVEventsPolicy(Policy):
         tokens = min((longest + extra) * self.block_size, limit) - min(longest * self.block_size, limit)
         return (bit, key, tokens) if tokens > 0 else None
 
-    def _level_that_stays(self, costed: list[list[tuple[float, int]]], tokens: list[int],
+    def _level_that_stays(self, costed: list[tuple[float, int | None, int, object]], tokens: list[int],
                           best_level: int | None, best_cost: float,
                           num_prompt_tokens: int) -> tuple[int, int] | None:
         """Hysteresis (_holder_that_stays) on levels: (level, bit) of the cheapest eligible holder of
-        the longest cached prefix (the first by level, then slot, among equal costs), or None."""
-        top = [i for i, level in enumerate(costed) if level]
-        if not top:
+        the longest cached prefix (the first by level, then slot, among equal costs), or None.
+        `costed`: _choose's entries (cost, level, bits, group)."""
+        num_levels = len(tokens)
+        held_levels = [entry[1] for entry in costed if entry[1] is not None and entry[1] < num_levels]
+        if not held_levels:
             return None
-        longest = tokens[top[-1]]
+        longest = tokens[max(held_levels)]
         held = 0 if best_level is None else tokens[best_level]
         if held >= longest or longest < self.weights.stay_min_cached * num_prompt_tokens:
             return None
-        stay = None
-        for i in top:
-            if tokens[i] != longest:
-                continue
-            level_cost = min(c for c, _ in costed[i])
-            if stay is None or level_cost < stay[0]:
-                stay = (level_cost, i, _tied(costed[i], level_cost))
-        stay_cost, stay_level, members = stay
+        # the cheapest entry of the levels at that length; the first level among equal costs
+        stay_cost, stay_level = min((cost, level) for cost, level, _, _ in costed
+                                    if level is not None and level < num_levels and tokens[level] == longest)
         if stay_cost - best_cost > self.weights.stay_margin:
             return None
+        members = 0
+        for cost, level, bits, _ in costed:
+            if level == stay_level and cost == stay_cost:
+                members |= bits
         return stay_level, members & -members  # the lowest slot
 
     def _costs(self, request: RouteRequest, cols, held: dict[int, float],
@@ -338,11 +359,3 @@ class KVEventsPolicy(Policy):
         cost[pick] = -np.inf  # first; the rest keep their cost order
         return cost
 
-
-def _tied(costed: list[tuple[float, int]], cost: float) -> int:
-    """The members (bits) of `costed`, [(cost, bits)], whose cost is `cost`."""
-    members = 0
-    for c, bits in costed:
-        if c == cost:
-            members |= bits
-    return members

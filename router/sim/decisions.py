@@ -49,6 +49,7 @@ PHASES = [
     ("load order (LoadOrder.cheapest_in)", "kvmesh.router.load_order", "LoadOrder.cheapest_in"),
     ("cost (worker_costs)", "kvmesh.router.policies.kv_events", "worker_costs"),
     ("cost of a group (worker_cost)", "kvmesh.router.policies.kv_events", "worker_cost"),
+    ("tie broken (_tie_broken)", "kvmesh.router.policies.kv_events", "KVEventsPolicy._tie_broken"),
     ("tied member (LoadOrder.pick_in)", "kvmesh.router.load_order", "LoadOrder.pick_in"),
     ("sort + tie (order_by_score)", "kvmesh.router.policies.kv_events", "order_by_score"),
     ("ids of the ranking (ids_at)", "kvmesh.router.workers", "LoadColumns.ids_at"),

@@ -66,13 +66,13 @@ def test_worker_cost_is_worker_costs_bit_for_bit():
         assert got == expected
 
 
-# LoadOrder's (LIST_MEMBERS, WALK_SHARE, WALK_BUCKETS, WALK_FIRST_BUCKETS): scan always / walk always /
-# each by its size and the walk's lengths (twice) / list always
-WAYS = [(0, 0, 0, 0), (0, 10**6, 10**6, 10**6), (5, 2, 3, 1), (5, 2, 6, 2), (10**6, 0, 0, 0)]
+# LoadOrder's (LIST_MEMBERS, CHUNK_BUCKETS, CHUNK_SQRT): by the chunks always, in one chunk / chunks of
+# 1-2 buckets / as tuned; each by its size with chunks of 2-4 and 3-6 buckets; listed always
+WAYS = [(0, 10**6, 0), (0, 1, 0), (0, 64, 2), (5, 2, 0), (5, 3, 0), (10**6, 64, 2)]
 
 
 def _set_ways(monkeypatch, way):
-    for name, value in zip(("LIST_MEMBERS", "WALK_SHARE", "WALK_BUCKETS", "WALK_FIRST_BUCKETS"), way):
+    for name, value in zip(("LIST_MEMBERS", "CHUNK_BUCKETS", "CHUNK_SQRT"), way):
         monkeypatch.setattr(load_order_module, name, value)
 
 

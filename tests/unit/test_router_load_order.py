@@ -63,9 +63,9 @@ def test_load_order_follows_the_worker_set_through_loads_membership_health_and_c
         members = {order.pick(bucket, i, excluded) for i in range(count)}
         assert members == {w for w, k in outside.items() if k == bucket.key}
     # one bucket per eligible load, by ascending cost: emptied buckets leave the order
-    costs = [b.cost for b in order._sorted]
-    assert {b.key for b in order._sorted} == set(keys.values()) and len(costs) == len(set(keys.values()))
-    assert costs == sorted(costs) == [load_cost(b.key, WEIGHTS) for b in order._sorted]
+    costs = [b.cost for b in order._in_order()]
+    assert {b.key for b in order._in_order()} == set(keys.values()) and len(costs) == len(set(keys.values()))
+    assert costs == sorted(costs) == [load_cost(b.key, WEIGHTS) for b in order._in_order()]
 
 
 def test_idle_workers_share_one_bucket():
@@ -76,7 +76,7 @@ def test_idle_workers_share_one_bucket():
         ws.add(f"w{i}")
     ws.update_load(WorkerLoad("w7", running=1))
     [(bucket, count)] = order.cheapest(["w3"])  # one bucket: the idle ones, w3 left out
-    assert count == 998 and len(order._sorted) == 2
+    assert count == 998 and len(list(order._in_order())) == 2
     assert {order.pick(bucket, i, ["w3"]) for i in range(count)} == {f"w{i}" for i in range(1000)} - {"w3", "w7"}
 
 
@@ -151,3 +151,61 @@ def test_kv_events_breaks_a_tie_over_every_tied_worker_holders_and_idle_alike():
     cold = RouteRequest(block_hashes(list(range(100, 100 + 4 * B)), B), 4 * B)  # nobody holds it
     firsts = collections.Counter(p.top(cold, ws, 1)[0] for _ in range(2000))
     assert set(firsts) == {f"w{i}" for i in range(12)} - {"w9"}
+
+
+@pytest.mark.parametrize("chunk_buckets, chunk_sqrt", [(1, 0), (4, 0), (64, 0), (1, 2)])
+def test_chunks_keep_the_sorted_buckets_and_their_union_through_moves(monkeypatch, chunk_buckets, chunk_sqrt):
+    """The chunks concatenate to the buckets by cost, each holds the union of its buckets' masks (and
+    a length within bounds, for a fixed target), and cheapest_in of masks of every density (by the
+    chunks: LIST_MEMBERS 0) is the brute-force cheapest members, through joins, moves between loads,
+    ties and departures."""
+    monkeypatch.setattr(load_order, "CHUNK_BUCKETS", chunk_buckets)
+    monkeypatch.setattr(load_order, "CHUNK_SQRT", chunk_sqrt)
+    monkeypatch.setattr(load_order, "LIST_MEMBERS", 0)
+    rng = random.Random(6)
+    num_workers = 400
+    order = LoadOrder(lambda key: load_cost(key, WEIGHTS), slot_of=lambda w: int(w[1:]))
+    keys: dict[str, LoadKey] = {}
+    for step in range(3000):
+        wid = f"w{rng.randrange(num_workers)}"
+        if rng.random() < 0.05:
+            key = None
+        else:  # a few loads shared (tied buckets), most distinct
+            key = LoadKey(float(rng.choice([0, 256, rng.randrange(10**4)])), float(rng.randrange(10**5)),
+                          rng.choice([0.0, 0.5]), float(rng.randrange(4))) if rng.random() < 0.7 else LoadKey(
+                          0.0, 0.0, 0.0, float(rng.randrange(3)))
+        order.update(wid, key)
+        if key is None:
+            keys.pop(wid, None)
+        else:
+            keys[wid] = key
+        if step % 50:
+            continue
+        chunks = order._chunks
+        buckets = [b for chunk in chunks for b in chunk.buckets]
+        assert buckets == list(order._in_order())
+        assert [b.cost for b in buckets] == sorted(b.cost for b in buckets)
+        assert {b.key for b in buckets} == set(keys.values())
+        for chunk in chunks:
+            assert list(chunk.costs) == [b.cost for b in chunk.buckets]
+            assert all(b.chunk is chunk for b in chunk.buckets)
+            union = 0
+            for b in chunk.buckets:
+                assert not union & b.mask and b.mask == sum(1 << int(w[1:]) for w in b.members)
+                union |= b.mask
+            assert chunk.mask == union
+            if not chunk_sqrt and len(chunks) > 1:
+                assert chunk_buckets // 2 <= len(chunk.buckets) <= 2 * chunk_buckets
+        for density in (0.005, 0.05, 0.3, 1.0):
+            members = [w for w in range(num_workers) if rng.random() < density]
+            mask = sum(1 << w for w in members)
+            [groups] = order.cheapest_in([mask], 1e-6)
+            inside = {keys[f"w{w}"] for w in members if f"w{w}" in keys}
+            if not inside:
+                assert groups == []
+                continue
+            best = min(load_cost(k, WEIGHTS) for k in inside)
+            assert [(g.cost, g.key) for g in groups] == sorted(
+                (load_cost(k, WEIGHTS), k) for k in inside if load_cost(k, WEIGHTS) <= best + 1e-6)
+            for g in groups:
+                assert g.mask == sum(1 << w for w in members if keys.get(f"w{w}") == g.key)
