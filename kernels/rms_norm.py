@@ -29,6 +29,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_outer, stride_inner, num_inne
     tl.store(out_ptr + row * D + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return torch.result_type(x, weight) if weight.dtype != x.dtype else x.dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [N, D] or [T, H, D] with a contiguous last dimension; returns a contiguous tensor like x."""
     d = x.shape[-1]
@@ -38,8 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         stride_outer, stride_inner, num_inner = x.stride(0), 0, 1
     else:
         stride_outer, stride_inner, num_inner = x.stride(0), x.stride(1), x.shape[1]
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight) if weight.dtype != x.dtype else x.dtype,
-                      device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     rows = out.numel() // d
     if rows:
         _rms_norm_kernel[(rows,)](x, weight, out, stride_outer, stride_inner, num_inner, eps,
@@ -68,8 +71,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(x + residual), x + residual) for contiguous [N, D] x and residual of one dtype."""
     n, d = x.shape
     total = torch.empty_like(x)
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight) if weight.dtype != x.dtype else x.dtype,
-                      device=x.device)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     if n:
         _add_rms_norm_kernel[(n,)](x, residual, weight, out, total, eps, D=d, BLOCK_D=triton.next_power_of_2(d),
                                    num_warps=4 if d >= 1024 else 1)

@@ -45,21 +45,24 @@ class StepProbe:
         if self.profile_window is None or self.window is not None:
             return
         first, last = self.profile_window
-        if self._window_profiler is None and len(self.steps) >= first:
-            self._window_profiler = _profiler(host=False)
-            self._window_profiler.start()
-            self._window_start, self._window_first = time.perf_counter(), len(self.steps)
-        elif self._window_profiler is not None and len(self.steps) >= last:
-            _sync_cuda()
-            wall = time.perf_counter() - self._window_start
-            self._window_profiler.stop()
-            self.window = gpu_busy(self._window_profiler, wall, len(self.steps) - self._window_first)
+        if self._window_profiler is None:
+            if len(self.steps) >= first:
+                self._window_profiler = _profiler(host=False)
+                self._window_profiler.start()
+                self._window_start, self._window_first = time.perf_counter(), len(self.steps)
+        elif len(self.steps) >= last:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        sync(self.engine.device)
+        wall = time.perf_counter() - self._window_start
+        self._window_profiler.stop()
+        self.window = gpu_busy(self._window_profiler, wall, len(self.steps) - self._window_first)
 
     def finish(self) -> None:
         """Close a window the run ended inside."""
         if self._window_profiler is not None and self.window is None:
-            self.profile_window = (0, 0)
-            self._follow_window()
+            self._close_window()
 
     def _execute(self, output, *args):
         scheduled = output.scheduled
@@ -79,11 +82,12 @@ class StepProbe:
         return result
 
 
-def _sync_cuda() -> None:
+def sync(device) -> None:
+    """Wait for the device's queued work (a host clock read after it covers that work)."""
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+from kvmesh.bench.engine_probe import sync as _sync
 from kvmesh.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 DEFAULT_MODEL = "random:qwen3-0.6b"
@@ -282,13 +283,6 @@ def print_table(r: dict) -> None:
               f"({w['gpu_busy_fraction']:.1%}), {w['kernels']} kernels and copies; most time:")
         for name, ms in w["kernel_ms_by_name"].items():
             print(f"    {ms:9.2f} ms  {name}")
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _device_name(device) -> str:

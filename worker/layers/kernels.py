@@ -10,8 +10,7 @@ def use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.compiler.is_compiling()
 
 
-def fuse_norms() -> bool:
-    """Whether the residual add joins its RMSNorm, and Qwen3's q / k norms join the rotation, in one
-    launch each (the same bits as the separate kernels); KVMESH_FUSED_NORMS=0 keeps them apart (A/B
-    runs)."""
-    return os.environ.get("KVMESH_FUSED_NORMS", "1") != "0"
+# Whether the residual add joins its RMSNorm, and Qwen3's q / k norms join the rotation, in one launch
+# each (the same bits as the separate kernels); KVMESH_FUSED_NORMS=0 keeps them apart (A/B runs). Read
+# once: the layers ask at every call.
+FUSE_NORMS = os.environ.get("KVMESH_FUSED_NORMS", "1") != "0"

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from kvmesh.worker.layers.kernels import fuse_norms, use_kernels
+from kvmesh.worker.layers.kernels import FUSE_NORMS, use_kernels
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
-        if (use_kernels(x) and fuse_norms() and x.dim() == 2 and x.is_contiguous()
+        if (use_kernels(x) and FUSE_NORMS and x.dim() == 2 and x.is_contiguous()
                 and residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype):
             from kvmesh.kernels.rms_norm import add_rms_norm  # one launch instead of two, the same bits
             return add_rms_norm(x, residual, self.weight, self.eps)

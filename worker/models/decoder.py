@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.attention.base import get_forward_context
-from kvmesh.worker.layers.kernels import fuse_norms, use_kernels
+from kvmesh.worker.layers.kernels import FUSE_NORMS, use_kernels
 from kvmesh.worker.layers.norm import RMSNorm
 from kvmesh.worker.layers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding)
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            if use_kernels(q) and fuse_norms() and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype:
+            if use_kernels(q) and FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype:
                 from kvmesh.kernels.rotary import apply_qk_norm_rotary  # one launch instead of three
                 q, k = apply_qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
                                             self.q_norm.eps, rotary.cos, rotary.sin)
