@@ -74,3 +74,18 @@ def test_fused_kernels_match_the_torch_layers_in_float32(result):
     # float32 throughout: only the order of the norm's sum differs from torch's mean
     assert result["add_float32_vs_torch"] < 1e-5
     assert result["qk_float32_vs_torch"] < 1e-5
+
+
+@pytest.mark.parametrize("value,fused", [(None, True), ("1", True), ("0", False)])
+def test_kvmesh_fused_norms_0_keeps_the_kernels_apart(value, fused):
+    """The A/B switch docs/PERF.md names: read once when the layers' module is imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_FUSED_NORMS"}
+    if value is not None:
+        env["KVMESH_FUSED_NORMS"] = value
+    out = subprocess.run([sys.executable, "-c", "from kvmesh.worker.layers.kernels import FUSE_NORMS; "
+                          "print(FUSE_NORMS)"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == str(fused), out.stderr[-2000:]
