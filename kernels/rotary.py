@@ -1,24 +1,34 @@
-"""Rotary position embedding (neox / rotate-half layout) for q and k in one launch.
+"""Rotary position embedding (neox / rotate-half layout) for q and k in one launch, optionally with
+Qwen3's per-head q / k RMSNorm before it and the step's K / V written into the paged KV cache after it.
 
 Matches kvmesh.worker.layers.rotary: float32 arithmetic with the float32 cos/sin tables
-[max_positions, head_dim / 2], result cast back to the input dtype. q, k may be strided views
-([T, H, D] with a contiguous last dimension); outputs are new contiguous tensors.
+[max_positions, head_dim / 2], result cast back to the input dtype. q, k, v may be strided views
+([T, H, D] with a contiguous last dimension, as split off the qkv projection).
 
-`apply_qk_norm_rotary` is Qwen3's per-head RMSNorm of q and k followed by the rotation, in one launch
-instead of three: each head's row is normed as kvmesh.kernels.rms_norm does (the same reduction over
-the whole row, the same roundings to the input dtype) and rotated from that rounded result, so its
-output equals the three launches' bit for bit.
+- `apply_rotary(positions, q, k, cos, sin)`: new contiguous q and k.
+- `apply_qk_norm_rotary(..., q_weight, k_weight, eps, ...)`: each head's row is normed as
+  kvmesh.kernels.rms_norm does (the same reduction over the whole row, the same roundings to the input
+  dtype) and rotated from that rounded result, so its output equals the separate launches' bit for bit.
+- `rotate_and_store(...)`: the same rotation (normed or not); the rotated K and the untouched V go
+  straight into the cache rows of `slot_mapping` (a negative slot, CUDA-graph padding, is skipped)
+  instead of to new tensors, with the bytes kvmesh.kernels.store_kvcache writes (into an FP8 cache:
+  the input-dtype value times 1 / scale, clamped to e4m3's range). One launch instead of two: the
+  attention backends then only read the cache (their forward with k = v = None).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels.store_kvcache import FP8_E4M3_MAX
+
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out, k_out, positions, cos_ptr, sin_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions, cos_ptr, sin_ptr,
+                   k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads, num_k_heads,
+                   eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+                   FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -26,21 +36,56 @@ def _rotary_kernel(q_ptr, k_ptr, q_out, k_out, positions, cos_ptr, sin_ptr,
     pos = tl.load(positions + token).to(tl.int64)
     cos = tl.load(cos_ptr + pos * HALF + offs, mask=mask, other=0.0)
     sin = tl.load(sin_ptr + pos * HALF + offs, mask=mask, other=0.0)
-    if head < num_q_heads:
+    is_q = head < num_q_heads
+    kv_head = head - num_q_heads
+    if is_q:
         src = q_ptr + token * stride_qt + head * stride_qh
-        dst = q_out + (token * num_q_heads + head) * 2 * HALF
+        w_ptr = wq_ptr
     else:
-        src = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
-        dst = k_out + (token * num_k_heads + head - num_q_heads) * 2 * HALF
+        src = k_ptr + token * stride_kt + kv_head * stride_kh
+        w_ptr = wk_ptr
+    dtype = q_out.dtype.element_ty
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + offs, (x1 * cos - x2 * sin).to(q_out.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF + offs, (x2 * cos + x1 * sin).to(q_out.dtype.element_ty), mask=mask)
+    if NORM:  # the norm's reduction over the whole row at once, as rms_norm's kernel (the same float32 sum)
+        row = tl.arange(0, 2 * BLOCK)
+        whole = tl.load(src + row, mask=row < 2 * HALF, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(whole * whole, 0) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # the norm's output
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    if is_q:
+        dst = q_out + (token * num_q_heads + head) * 2 * HALF
+        tl.store(dst + offs, y1, mask=mask)
+        tl.store(dst + HALF + offs, y2, mask=mask)
+    elif STORE:
+        slot = tl.load(slot_mapping + token)
+        if slot >= 0:  # a negative slot is CUDA-graph padding
+            at = slot.to(tl.int64) * num_k_heads * 2 * HALF + kv_head * 2 * HALF  # this head's cache row
+            vsrc = v_ptr + token * stride_vt + kv_head * stride_vh
+            v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
+            v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
+            if FP8:  # store_kvcache's bytes: the input-dtype value times 1 / scale, clamped
+                y1 = tl.minimum(tl.maximum(y1.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+                y2 = tl.minimum(tl.maximum(y2.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+                v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+                v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+            tl.store(k_cache + at + offs, y1.to(k_cache.dtype.element_ty), mask=mask)
+            tl.store(k_cache + at + HALF + offs, y2.to(k_cache.dtype.element_ty), mask=mask)
+            tl.store(v_cache + at + offs, v1.to(v_cache.dtype.element_ty), mask=mask)
+            tl.store(v_cache + at + HALF + offs, v2.to(v_cache.dtype.element_ty), mask=mask)
+    else:
+        dst = k_out + (token * num_k_heads + kv_head) * 2 * HALF
+        tl.store(dst + offs, y1, mask=mask)
+        tl.store(dst + HALF + offs, y2, mask=mask)
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T]; q [T, H, D], k [T, Hkv, D]; cos, sin [max_positions, D / 2] float32 contiguous."""
+def _launch(positions, q, k, cos, sin, norm=None, store=None):
+    """norm: (q_weight, k_weight, eps) or None; store: (v, k_cache, v_cache, slot_mapping, k_scale,
+    v_scale) or None. Returns (q_out, k_out), k_out None when K went into the cache."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if q.stride(-1) != 1:
@@ -48,62 +93,50 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
     if k.stride(-1) != 1:
         k = k.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    k_out = None if store else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_weight, k_weight, eps = norm if norm else (q, q, 0.0)  # unread without NORM
+    if store:
+        v, k_cache, v_cache, slot_mapping, k_scale, v_scale = store
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+        assert tuple(k_cache.shape[2:]) == (num_k_heads, head_dim), "cache heads/head_dim do not match k"
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        # x * (1 / scale) in float32, as store_kvcache (Triton's float32 division is approximate)
+        k_inv, v_inv = 1.0 / k_scale, 1.0 / v_scale
+    else:
+        v, k_cache, v_cache, slot_mapping, fp8, k_inv, v_inv = k, q, q, positions, False, 1.0, 1.0
     if num_tokens:
         half = head_dim // 2
         _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
-            q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            num_q_heads, num_k_heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+            q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
+            k_cache, v_cache, slot_mapping, k_inv, v_inv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            num_q_heads, num_k_heads, eps, HALF=half, BLOCK=triton.next_power_of_2(half),
+            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=1)
     return q_out, k_out
 
 
-@triton.jit
-def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_out, k_out, wq_ptr, wk_ptr, positions, cos_ptr, sin_ptr,
-                           stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
-                           HALF: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
-    pos = tl.load(positions + token).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * HALF + offs, mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + pos * HALF + offs, mask=mask, other=0.0)
-    if head < num_q_heads:
-        src = q_ptr + token * stride_qt + head * stride_qh
-        dst = q_out + (token * num_q_heads + head) * 2 * HALF
-        w_ptr = wq_ptr
-    else:
-        src = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
-        dst = k_out + (token * num_k_heads + head - num_q_heads) * 2 * HALF
-        w_ptr = wk_ptr
-    # the norm's reduction over the whole row at once, as rms_norm's kernel (the same float32 sum)
-    row = tl.arange(0, 2 * BLOCK)
-    whole = tl.load(src + row, mask=row < 2 * HALF, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(whole * whole, 0) / (2 * HALF) + eps)
-    dtype = q_out.dtype.element_ty
-    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # the norm's output
-    x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(dst + offs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst + HALF + offs, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T]; q [T, H, D], k [T, Hkv, D]; cos, sin [max_positions, D / 2] float32 contiguous."""
+    return _launch(positions, q, k, cos, sin)
 
 
 def apply_qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                          k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotary(rms_norm(q, q_weight), rms_norm(k, k_weight)) in one launch; q [T, H, D], k [T, Hkv, D]
-    with contiguous last dimensions, weights [D] of q's dtype, cos / sin as apply_rotary's."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if num_tokens:
-        half = head_dim // 2
-        _qk_norm_rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
-            q, k, q_out, k_out, q_weight, k_weight, positions, cos, sin, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), num_q_heads, num_k_heads, eps, HALF=half,
-            BLOCK=triton.next_power_of_2(half), num_warps=1)
-    return q_out, k_out
+    """rotary(rms_norm(q, q_weight), rms_norm(k, k_weight)) in one launch; weights [D] of q's dtype,
+    the rest as apply_rotary's."""
+    return _launch(positions, q, k, cos, sin, norm=(q_weight, k_weight, eps))
+
+
+def rotate_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """The rotated q [T, H, D]; rotated k and v ([T, Hkv, D]) written into k_cache / v_cache
+    ([num_blocks, block_size, Hkv, D], q's dtype or float8_e4m3fn) at slot_mapping [T], as
+    store_kvcache(rotated k, v, ...) would. norm: (q_weight, k_weight, eps) for Qwen3's q / k norms."""
+    return _launch(positions, q, k, cos, sin, norm=norm,
+                   store=(v, k_cache, v_cache, slot_mapping, k_scale, v_scale))[0]

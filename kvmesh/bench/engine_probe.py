@@ -102,15 +102,16 @@ def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-    spans, by_name = [], {}
+    spans, by_name, calls = [], {}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             start, dur = float(e["ts"]), float(e.get("dur", 0.0))
             spans.append((start, start + dur))
             name = e["name"][:80]  # template variants of one kernel share a name here
             by_name[name] = by_name.get(name, 0.0) + dur
+            calls[name] = calls.get(name, 0) + 1
     busy_us = union_length(spans)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:24]
     tenths = []  # busy share of each tenth of the span from the first kernel to the last
     if spans:
         first, last = min(s for s, _ in spans), max(e for _, e in spans)
@@ -121,7 +122,8 @@ def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
     return {"steps": steps, "wall_ms": wall_seconds * 1e3, "gpu_busy_ms": busy_us / 1e3,
             "gpu_busy_fraction": busy_us / 1e6 / wall_seconds if wall_seconds > 0 else 0.0,
             "gpu_busy_by_tenth": tenths,
-            "kernels": len(spans), "kernel_ms_by_name": {name: us / 1e3 for name, us in top}}
+            "kernels": len(spans), "kernel_ms_by_name": {name: us / 1e3 for name, us in top},
+            "kernel_calls_by_name": {name: calls[name] for name, _ in top}}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:

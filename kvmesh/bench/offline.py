@@ -281,8 +281,9 @@ def print_table(r: dict) -> None:
         w = r["profile_window"]
         print(f"  GPU over {w['steps']} steps: busy {w['gpu_busy_ms']:.1f} of {w['wall_ms']:.1f} ms wall "
               f"({w['gpu_busy_fraction']:.1%}), {w['kernels']} kernels and copies; most time:")
+        calls = w.get("kernel_calls_by_name", {})
         for name, ms in w["kernel_ms_by_name"].items():
-            print(f"    {ms:9.2f} ms  {name}")
+            print(f"    {ms:9.2f} ms  {calls.get(name, 0):8d} calls  {name}")
 
 
 def _device_name(device) -> str:

@@ -98,3 +98,35 @@ def test_qk_norm_rotary_equals_the_three_kernels_bit_for_bit():
         rq, rk = emb_cpu(positions.cpu(), qn(q.cpu()), kn(k.cpu()))  # the torch path
         for out, ref in ((fq.cpu(), rq), (fk.cpu(), rk)):  # the rotation mixes a row's roundings
             assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("normed", [False, True])
+def test_rotate_and_store_writes_the_bytes_of_the_rotation_then_store_kvcache(cache_dtype, normed):
+    """The rotation writing K / V into the paged cache in its own launch: q as the rotation's, the cache
+    byte for byte as kvmesh's store kernel after it (FP8: the same scaling and clamp), padding skipped."""
+    from kvmesh.kernels.rotary import apply_qk_norm_rotary, apply_rotary, rotate_and_store
+    from kvmesh.kernels.store_kvcache import store_kvcache
+    from kvmesh.worker.layers import rotary
+    from kvmesh.worker.presets import hf_config_for
+
+    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
+    heads, kv_heads, tokens = 16, 8, 53
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda") * 3
+    q = qkv[:, :heads * 128].view(tokens, heads, 128)
+    k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(tokens, kv_heads, 128)
+    v = qkv[:, (heads + kv_heads) * 128:].view(tokens, kv_heads, 128)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    slots = torch.randperm(40 * 16, device="cuda")[:tokens]
+    slots[[3, 17]] = -1  # CUDA-graph padding rows
+    norm = tuple(torch.randn(128, dtype=torch.bfloat16, device="cuda") for _ in range(2)) + (1e-6,) if normed else None
+    fused = [torch.zeros(40, 16, kv_heads, 128, dtype=cache_dtype, device="cuda") for _ in range(2)]
+    apart = [torch.zeros_like(c) for c in fused]
+    fq = rotate_and_store(positions, q, k, v, emb.cos, emb.sin, *fused, slots, 0.75, 1.5, norm=norm)
+    sq, sk = (apply_qk_norm_rotary(positions, q, k, *norm, emb.cos, emb.sin) if normed
+              else apply_rotary(positions, q, k, emb.cos, emb.sin))
+    store_kvcache(sk, v, *apart, slots, 0.75, 1.5)
+    assert torch.equal(fq, sq)
+    for a, b in zip(fused, apart):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert fused[0].view(torch.uint8).count_nonzero() > 0

@@ -42,3 +42,22 @@ def test_greedy_tokens_match_torch_backend(reference, backend, torch_compile):
               f"vs {out.token_ids[i]}; logprob gap in the torch run {gap:.4f}")
         assert gap < NEAR_TIE_NATS, (
             f"{backend}: prompt {prompt_index} diverges at token {i} without a near-tie (gap {gap:.4f})")
+
+
+@pytest.mark.parametrize("backend,kv_cache_dtype", [("triton", "auto"), ("flashinfer", "fp8"), ("flash_attn", "auto")])
+def test_kv_stored_by_the_rotation_gives_the_same_tokens_and_logprobs(monkeypatch, backend, kv_cache_dtype):
+    """The rotation writing K / V into the cache (KVMESH_FUSED_KV_STORE, on by default) against the
+    backend's own store after it: the same bytes in the cache, so the same tokens and logprobs."""
+    from kvmesh.worker.models import decoder
+
+    module = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}.get(backend)
+    if module and importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed here")
+    block_size = 256 if backend == "flash_attn" else 16
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(decoder, "FUSE_KV_STORE", fused)
+        runs[fused] = generate_greedy(backend, block_size=block_size, kv_cache_dtype=kv_cache_dtype, logprobs=1)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        assert [max(t.values()) for t in a.top_logprobs] == [max(t.values()) for t in b.top_logprobs]

@@ -169,6 +169,7 @@ def test_profile_window_reports_the_steps_it_covered_and_refuses_a_bad_range(cap
     window = r["profile_window"]
     assert window["steps"] == 4 and window["wall_ms"] > 0
     assert window["gpu_busy_ms"] == 0.0 and window["gpu_busy_fraction"] == 0.0  # no device here
+    assert window["kernel_ms_by_name"] == window["kernel_calls_by_name"] == {}
     assert main(["bench", "offline", *TINY, "--profile-window", "6:2"]) == 2
     assert "FIRST:LAST with 0 <= FIRST < LAST, got '6:2'" in capsys.readouterr().err
     assert main(["bench", "offline", *TINY, "--profile-window", "1:3", "--profile-step", "2"]) == 2

@@ -57,6 +57,26 @@ def test_new_kv_is_written_to_the_cache_by_slot(backend_cls):
     assert torch.equal(flat_k[case.metadata.slot_mapping], case.k)
 
 
+@pytest.mark.parametrize("decode_ctx,prompt_lens,prefix_lens", [([3, 300], [20], [5]), ([2, 257, 1000], [], [])])
+def test_kv_the_rotation_already_stored_is_read_from_the_cache(backend_cls, decode_ctx, prompt_lens, prefix_lens):
+    """k = v = None (kvmesh.kernels.rotary.rotate_and_store wrote them): the backend stores nothing
+    and attends over the cache as it is, in a mixed step and a decode step (which returns the
+    kernel's own output, no copy)."""
+    case = make_case(num_heads=8, num_kv_heads=2, head_dim=128, page=256, decode_ctx=decode_ctx,
+                     prompt_lens=prompt_lens, prefix_lens=prefix_lens, device="cpu", seed=7)
+    for cache, new in ((case.k_cache, case.k), (case.v_cache, case.v)):
+        cache.view(-1, 2, 128)[case.metadata.slot_mapping] = new
+    before = case.k_cache.clone()
+    backend = backend_cls(8, 2, 128, 256, case.scale, torch.device("cpu"), torch.bfloat16)
+    backend.plan(case.metadata)
+    out = backend.forward(case.q, None, None, case.k_cache, case.v_cache, case.metadata)
+    assert torch.equal(case.k_cache, before)
+    assert relative_error(out, reference_attention(case)) < 1e-2
+    case.k_cache.view(-1, 2, 128)[case.metadata.slot_mapping] = 0  # now the step's keys are gone
+    assert relative_error(backend.forward(case.q, None, None, case.k_cache, case.v_cache, case.metadata),
+                          reference_attention(case)) > 1e-2
+
+
 def test_block_size_not_multiple_of_256_is_a_clear_error(backend_cls):
     with pytest.raises(ValueError, match="multiple of 256"):
         backend_cls(8, 2, 128, 16, 0.1, torch.device("cpu"), torch.bfloat16)

@@ -1,7 +1,8 @@
-"""The fused norm kernels (kvmesh.kernels.rms_norm.add_rms_norm: the residual add and its RMSNorm;
-kvmesh.kernels.rotary.apply_qk_norm_rotary: Qwen3's q / k norms and the rotation) on the CPU, under
-Triton's interpreter (TRITON_INTERPRET=1 in a child process): bit for bit the separate kernels they
-replace, and within float32 rounding of the torch layers. On a GPU: tests/gpu/test_fused_kernels.py.
+"""The fused kernels (kvmesh.kernels.rms_norm.add_rms_norm: the residual add and its RMSNorm;
+kvmesh.kernels.rotary.apply_qk_norm_rotary: Qwen3's q / k norms and the rotation;
+kvmesh.kernels.rotary.rotate_and_store: the rotation writing K / V into the paged cache) on the CPU,
+under Triton's interpreter (TRITON_INTERPRET=1 in a child process): bit for bit the separate kernels
+they replace, and within float32 rounding of the torch layers. On a GPU: tests/gpu/test_fused_kernels.py.
 
 The interpreter casts float32 to bf16 toward zero (a GPU, like torch, rounds to nearest even), so on
 bf16 the fused add's sum is checked against x + r truncated to bf16, the interpreter's own cast; the
@@ -56,6 +57,25 @@ SCRIPT = textwrap.dedent("""
         rq, rk = emb(positions, qn(q), kn(k))  # the torch path
         out[f"qk_{name}_vs_torch"] = max((fq.float() - rq.float()).abs().max().item(),
                                          (fk.float() - rk.float()).abs().max().item())
+        # the rotation storing K / V into a paged cache, normed or not, with a padding slot (-1)
+        from kvmesh.kernels.rotary import rotate_and_store
+        from kvmesh.kernels.store_kvcache import store_kvcache
+        v = qkv[:, 192:].view(5, 2, 32)
+        slots = torch.tensor([9, 2, -1, 15, 0])
+        for norm in (None, (wq, wk, 1e-6)):
+            for cache_dtype in (dtype, torch.float8_e4m3fn):
+                fused = [torch.zeros(4, 4, 2, 32, dtype=cache_dtype) for _ in range(2)]
+                apart = [torch.zeros(4, 4, 2, 32, dtype=cache_dtype) for _ in range(2)]
+                fq = rotate_and_store(positions, q, k, v, emb.cos, emb.sin, *fused, slots, 0.5, 2.0, norm=norm)
+                if norm is None:
+                    sq, sk = apply_rotary(positions, q, k, emb.cos, emb.sin)
+                else:
+                    sq, sk = apply_qk_norm_rotary(positions, q, k, *norm, emb.cos, emb.sin)
+                store_kvcache(sk, v, *apart, slots, 0.5, 2.0)
+                key = f"store_{name}_{'norm' if norm else 'plain'}_{str(cache_dtype).removeprefix('torch.')}"
+                out[key] = (torch.equal(fq, sq) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                                          for a, b in zip(fused, apart))
+                            and bool(fused[0].float().abs().sum() > 0))
     print(json.dumps(out))
 """)
 
@@ -70,22 +90,33 @@ def test_fused_kernel_equals_the_separate_kernels_bit_for_bit(result, name):
     assert result[name] is True
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm", ["plain", "norm"])
+@pytest.mark.parametrize("cache", ["model", "float8_e4m3fn"])
+def test_rotation_that_stores_kv_writes_the_bytes_of_the_rotation_then_store_kvcache(result, dtype, norm, cache):
+    """rotate_and_store's q equals the rotation's, and its cache the store kernel's after it, byte for
+    byte, in the model's dtype and in FP8 (scales 0.5 and 2.0), skipping the padding slot."""
+    assert result[f"store_{dtype}_{norm}_{dtype if cache == 'model' else cache}"] is True
+
+
 def test_fused_kernels_match_the_torch_layers_in_float32(result):
     # float32 throughout: only the order of the norm's sum differs from torch's mean
     assert result["add_float32_vs_torch"] < 1e-5
     assert result["qk_float32_vs_torch"] < 1e-5
 
 
+@pytest.mark.parametrize("variable,flag", [("KVMESH_FUSED_NORMS", "FUSE_NORMS"),
+                                           ("KVMESH_FUSED_KV_STORE", "FUSE_KV_STORE")])
 @pytest.mark.parametrize("value,fused", [(None, True), ("1", True), ("0", False)])
-def test_kvmesh_fused_norms_0_keeps_the_kernels_apart(value, fused):
-    """The A/B switch docs/PERF.md names: read once when the layers' module is imported."""
+def test_the_fusion_switches_set_to_0_keep_the_kernels_apart(variable, flag, value, fused):
+    """The A/B switches docs/PERF.md names: read once when the layers' module is imported."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "KVMESH_FUSED_NORMS"}
+    env = {k: v for k, v in os.environ.items() if k != variable}
     if value is not None:
-        env["KVMESH_FUSED_NORMS"] = value
-    out = subprocess.run([sys.executable, "-c", "from kvmesh.worker.layers.kernels import FUSE_NORMS; "
-                          "print(FUSE_NORMS)"], env=env, capture_output=True, text=True, timeout=120)
+        env[variable] = value
+    out = subprocess.run([sys.executable, "-c", f"from kvmesh.worker.layers.kernels import {flag}; "
+                          f"print({flag})"], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == str(fused), out.stderr[-2000:]

@@ -84,7 +84,8 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """Write k, v ([T, Hkv, D]) into the caches at metadata.slot_mapping, then attend.
+        """Write k, v ([T, Hkv, D]) into the caches at metadata.slot_mapping, then attend. k = v =
+        None: they are in the caches already (kvmesh.kernels.rotary.rotate_and_store wrote them).
 
         q: [T, H, D]. Returns [T, H, D]. k_scale / v_scale: the layer's FP8 scales (unused when
         the cache is in the model dtype).

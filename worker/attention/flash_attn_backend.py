@@ -34,8 +34,8 @@ class FlashAttnAttentionBackend(AttentionBackend):
             metadata.extra["flash_attn_max_seqlen_q"] = max(metadata.query_lens_cpu[num_decodes:])
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):  # scales: FP8 only
-        self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)  # [T, H, D]
+        if k is not None:  # None: the rotation's launch already wrote them
+            self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
             decode_out = self._with_kvcache(
@@ -43,8 +43,12 @@ class FlashAttnAttentionBackend(AttentionBackend):
                 k_cache, v_cache,
                 cache_seqlens=metadata.seq_lens[:num_decodes],
                 block_table=metadata.block_tables[:num_decodes],
-                softmax_scale=self.scale, causal=True)
-            out[:num_decodes] = decode_out.squeeze(1)
+                softmax_scale=self.scale, causal=True).squeeze(1)
+            if num_decodes == q.shape[0]:  # a decode step: no copy into a joint output
+                return decode_out
+        out = torch.empty_like(q)  # [T, H, D]
+        if num_decodes:
+            out[:num_decodes] = decode_out
         if num_decodes < q.shape[0]:
             if "flash_attn_cu_seqlens_k" not in metadata.extra:
                 self.plan(metadata)

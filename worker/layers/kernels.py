@@ -14,3 +14,7 @@ def use_kernels(x: torch.Tensor) -> bool:
 # each (the same bits as the separate kernels); KVMESH_FUSED_NORMS=0 keeps them apart (A/B runs). Read
 # once: the layers ask at every call.
 FUSE_NORMS = os.environ.get("KVMESH_FUSED_NORMS", "1") != "0"
+
+# Whether the rotation writes the step's K / V straight into the paged KV cache (one launch instead of
+# the rotation's and the backend's store; the same bytes); KVMESH_FUSED_KV_STORE=0 keeps them apart.
+FUSE_KV_STORE = os.environ.get("KVMESH_FUSED_KV_STORE", "1") != "0"

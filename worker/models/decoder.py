@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.attention.base import get_forward_context
-from kvmesh.worker.layers.kernels import FUSE_NORMS, use_kernels
+from kvmesh.worker.layers.kernels import FUSE_KV_STORE, FUSE_NORMS, use_kernels
 from kvmesh.worker.layers.norm import RMSNorm
 from kvmesh.worker.layers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding)
@@ -41,24 +41,45 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding):
-        """q [T, H, D], k and v [T, Hkv, D]: projected, normed (Qwen3) and rotated."""
+        """q [T, H, D], k and v [T, Hkv, D]: projected, normed (Qwen3) and rotated. With the GPU
+        kernels the rotation's launch also writes k and v into this layer's KV cache, and they come
+        back None: the attention backend then only reads the cache."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if not use_kernels(q):  # the torch layers (CPU, or traced by torch.compile)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(positions, q, k)
+            return q, k, v
+        norm = None  # Qwen3's q / k norms inside the rotation's launch (kvmesh.kernels.rotary)
         if self.q_norm is not None:
-            if use_kernels(q) and FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype:
-                from kvmesh.kernels.rotary import apply_qk_norm_rotary  # one launch instead of three
-                q, k = apply_qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
-                                            self.q_norm.eps, rotary.cos, rotary.sin)
-                return q, k, v
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            if FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype:
+                norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        if FUSE_KV_STORE:
+            from kvmesh.kernels.rotary import rotate_and_store
+
+            ctx = get_forward_context()
+            k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+            k_scale, v_scale = ctx.kv_scale(self.layer_idx)
+            q = rotate_and_store(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache,
+                                 ctx.metadata.slot_mapping, k_scale, v_scale, norm=norm)
+            return q, None, None
+        if norm is not None:
+            from kvmesh.kernels.rotary import apply_qk_norm_rotary
+
+            q, k = apply_qk_norm_rotary(positions, q, k, *norm, rotary.cos, rotary.sin)
+        else:
+            q, k = rotary(positions, q, k)
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention backend over the paged KV cache (writes k and v into it): [T, H * D]."""
+        """The attention backend over the paged KV cache (writes k and v into it unless the rotation
+        did: None): [T, H * D]."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         k_scale, v_scale = ctx.kv_scale(self.layer_idx)  # FP8 KV cache scales (1.0 otherwise)
