@@ -1,6 +1,9 @@
 """Attention kernel timings on the GPU machine: each backend's paged decode and prefill against the
 measured copy bandwidth and matmul rate. Prints a table; writes JSON to argv[1] if given.
-Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json"""
+Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
+     PYTHONPATH=. python3 bench/gpu_kernels.py --fa-splits $OUT/fa_splits.json   flash-attn's decode
+       over batch sizes and num_splits (0: its heuristic), the block table as wide as the engine's
+       (max_model_len 4096 / page 256), timed as CUDA-graph replays"""
 
 import importlib.util
 import json
@@ -80,5 +83,38 @@ def main():
         print(f"{r[0]:24s} {r[1]:10s} {r[2]:4d} {r[3]:9.1f} {r[4]:9.2f} {100 * r[5]:5.0f}% {r[6]:8.1e}", flush=True)
 
 
+def fa_splits():
+    """Decode time of flash_attn_with_kvcache by batch, context and num_splits, the engine's shape."""
+    from flash_attn import flash_attn_with_kvcache
+
+    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
+    h, hkv, d, page, width = 16, 8, 128, 256, 16
+    rows = []
+    for ctx in (700, 1400):
+        for batch in (8, 16, 32, 64, 96, 128, 192, 256):
+            case = make_case(num_heads=h, num_kv_heads=hkv, head_dim=d, page=page, decode_ctx=[ctx] * batch,
+                             prompt_lens=[], prefix_lens=[])
+            m = case.metadata
+            table = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+            table[:, :m.block_tables.shape[1]] = m.block_tables
+            q = case.q.unsqueeze(1)
+            kv_bytes = batch * ctx * hkv * d * 2 * 2
+            for splits in (0, 1, 2, 3, 4, 6, 8, 12, 16):
+                def run():
+                    return flash_attn_with_kvcache(q, case.k_cache, case.v_cache, cache_seqlens=m.seq_lens,
+                                                   block_table=table, softmax_scale=case.scale, causal=True,
+                                                   num_splits=splits)
+                ms = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
+                rows.append(dict(ctx=ctx, batch=batch, splits=splits, us=ms * 1e3,
+                                 of_copy=kv_bytes / (ms * 1e-3) / bw))
+            best = min((r for r in rows if r["ctx"] == ctx and r["batch"] == batch), key=lambda r: r["us"])
+            line = " ".join(f"{r['splits']}:{r['us']:.0f}" for r in rows if r["ctx"] == ctx and r["batch"] == batch)
+            print(f"ctx {ctx:5d} batch {batch:4d}  splits:us {line}  best {best['splits']} "
+                  f"({best['of_copy']:.0%} of copy; heuristic {rows[-9]['of_copy']:.0%})", flush=True)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
-    main()
+    fa_splits() if sys.argv[1:2] == ["--fa-splits"] else main()

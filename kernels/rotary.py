@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.store_kvcache import FP8_E4M3_MAX
+from kvmesh.kernels.store_kvcache import FP8_E4M3_MAX, cache_value
 
 
 @triton.jit
@@ -68,15 +68,11 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions,
             vsrc = v_ptr + token * stride_vt + kv_head * stride_vh
             v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
             v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
-            if FP8:  # store_kvcache's bytes: the input-dtype value times 1 / scale, clamped
-                y1 = tl.minimum(tl.maximum(y1.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
-                y2 = tl.minimum(tl.maximum(y2.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
-                v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
-                v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
-            tl.store(k_cache + at + offs, y1.to(k_cache.dtype.element_ty), mask=mask)
-            tl.store(k_cache + at + HALF + offs, y2.to(k_cache.dtype.element_ty), mask=mask)
-            tl.store(v_cache + at + offs, v1.to(v_cache.dtype.element_ty), mask=mask)
-            tl.store(v_cache + at + HALF + offs, v2.to(v_cache.dtype.element_ty), mask=mask)
+            cdt = k_cache.dtype.element_ty  # store_kvcache's bytes (cache_value)
+            tl.store(k_cache + at + offs, cache_value(y1, k_inv_scale, FP8, FP8_MAX, cdt), mask=mask)
+            tl.store(k_cache + at + HALF + offs, cache_value(y2, k_inv_scale, FP8, FP8_MAX, cdt), mask=mask)
+            tl.store(v_cache + at + offs, cache_value(v1, v_inv_scale, FP8, FP8_MAX, cdt), mask=mask)
+            tl.store(v_cache + at + HALF + offs, cache_value(v2, v_inv_scale, FP8, FP8_MAX, cdt), mask=mask)
     else:
         dst = k_out + (token * num_k_heads + kv_head) * 2 * HALF
         tl.store(dst + offs, y1, mask=mask)

@@ -15,6 +15,14 @@ FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 @triton.jit
+def cache_value(x, inv_scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+    """x as the cache holds it: into an FP8 cache, x * (1 / scale) clamped to e4m3's range."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    return x.to(dtype)
+
+
+@triton.jit
 def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
                           stride_k_token, stride_v_token, stride_cache_slot,
                           ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -26,11 +34,9 @@ def _store_kvcache_kernel(key, value, k_cache, v_cache, slot_mapping, k_inv_scal
     mask = offs < ROW
     k = tl.load(key + token * stride_k_token + offs, mask=mask)
     v = tl.load(value + token * stride_v_token + offs, mask=mask)
-    if FP8:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
-    tl.store(k_cache + slot * stride_cache_slot + offs, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + slot * stride_cache_slot + offs, v.to(v_cache.dtype.element_ty), mask=mask)
+    dtype = k_cache.dtype.element_ty
+    tl.store(k_cache + slot * stride_cache_slot + offs, cache_value(k, k_inv_scale, FP8, FP8_MAX, dtype), mask=mask)
+    tl.store(v_cache + slot * stride_cache_slot + offs, cache_value(v, v_inv_scale, FP8, FP8_MAX, dtype), mask=mask)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,9 +8,18 @@ when the backend is built). No FP8 KV cache: flash-attn 2's kernels read K/V in 
 and take no descale (registry.BACKENDS says so; asking for it is an error naming kv_cache_dtype).
 """
 
+import os
+
 import torch
 
 from .base import AttentionBackend, AttentionMetadata
+
+# Decode steps split each sequence's KV over enough thread blocks (batch x KV heads x splits) to give
+# every SM this many; 0 leaves the split count to flash-attn's own heuristic, which under CUDA graphs
+# sees only the block table's width and splits no batch of 27 or more (16 q / 8 KV heads on 132 SMs).
+# KVMESH_FA_DECODE_CTAS_PER_SM sets it (A/B runs, docs/PERF.md).
+DECODE_CTAS_PER_SM = int(os.environ.get("KVMESH_FA_DECODE_CTAS_PER_SM", "0"))
+MAX_DECODE_SPLITS = 16
 
 
 class FlashAttnAttentionBackend(AttentionBackend):
@@ -22,6 +31,16 @@ class FlashAttnAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self._store = _store_function(self.device)
+        device = torch.device(self.device)
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def decode_splits(self, num_decodes: int) -> int:
+        """flash_attn_with_kvcache's num_splits for a decode batch (0: its own heuristic). A function
+        of the batch size alone, so a CUDA graph captures the count its batch will always use."""
+        if not DECODE_CTAS_PER_SM:
+            return 0
+        blocks = num_decodes * self.num_kv_heads
+        return max(1, min(MAX_DECODE_SPLITS, -(-DECODE_CTAS_PER_SM * self.num_sms // blocks)))
 
     def plan(self, metadata: AttentionMetadata) -> None:
         num_decodes = metadata.num_decode_tokens
@@ -43,7 +62,7 @@ class FlashAttnAttentionBackend(AttentionBackend):
                 k_cache, v_cache,
                 cache_seqlens=metadata.seq_lens[:num_decodes],
                 block_table=metadata.block_tables[:num_decodes],
-                softmax_scale=self.scale, causal=True).squeeze(1)
+                softmax_scale=self.scale, causal=True, num_splits=self.decode_splits(num_decodes)).squeeze(1)
             if num_decodes == q.shape[0]:  # a decode step: no copy into a joint output
                 return decode_out
         out = torch.empty_like(q)  # [T, H, D]
