@@ -7,17 +7,11 @@ pool runs out of blocks, the newest running request is preempted: its blocks are
 goes back to the front of the queue to be recomputed later (its cached prefix usually survives).
 """
 
-import os
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.sequence import Request, RequestStatus
-
-# A step's decodes go longest context first: the attention kernels start their longest thread blocks
-# first, so the short ones fill the end of the launch (longest-processing-time-first). With
-# KVMESH_LONGEST_DECODES_FIRST=0 they keep the running order (A/B runs, docs/PERF.md).
-LONGEST_DECODES_FIRST = os.environ.get("KVMESH_LONGEST_DECODES_FIRST", "1") != "0"
 
 
 @dataclass
@@ -32,7 +26,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # decodes (1 new token) first, longest context first; then prompt chunks
+    scheduled: list[ScheduledRequest]  # decodes (1 new token) first, then prompt chunks
     # (src, dst) block ids whose K/V is copied before the forward (copy on write of a shared block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
@@ -112,7 +106,7 @@ class Scheduler:
         for entry in scheduled:
             if entry.forks:
                 self._fork(entry)
-        scheduled.sort(key=_decode_order if LONGEST_DECODES_FIRST else _is_not_decode)  # decodes first (stable)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1 or not s.samples)  # decodes first (stable)
         return SchedulerOutput(scheduled, self.block_manager.take_copies())
 
     def _ends_with_pending(self, request: Request) -> bool:
@@ -174,13 +168,3 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
-
-
-def _is_not_decode(entry: ScheduledRequest) -> bool:
-    return entry.num_new_tokens != 1 or not entry.samples
-
-
-def _decode_order(entry: ScheduledRequest) -> tuple[bool, int]:
-    """Decodes first, the longest context first; prompt chunks after them in their order."""
-    decode = not _is_not_decode(entry)
-    return not decode, -entry.request.num_tokens if decode else 0

@@ -55,25 +55,6 @@ def waiting_ids(scheduler: Scheduler) -> list[str]:
     return [r.request_id for r in scheduler.waiting]
 
 
-# ---- the order the runner receives ------------------------------------------------------------
-
-def test_decodes_come_first_longest_context_first_then_prompt_chunks(monkeypatch):
-    """LONGEST_DECODES_FIRST (KVMESH_LONGEST_DECODES_FIRST): a step's decodes by context length,
-    longest first (ties in running order), then prompt chunks in their order; off: running order."""
-    from kvmesh.worker import scheduler as scheduler_module
-
-    for longest_first, expected in ((True, ["c", "a", "d", "b"]), (False, ["a", "b", "c", "d"])):
-        monkeypatch.setattr(scheduler_module, "LONGEST_DECODES_FIRST", longest_first)
-        scheduler = make_scheduler(num_blocks=32, max_num_batched_tokens=64)
-        for name, n in (("a", 6), ("b", 3), ("c", 9), ("d", 6)):
-            scheduler.add(make_request(name, tokens(10 * n, n), max_tokens=3))
-        run_step(scheduler)  # the four prompts
-        scheduler.add(make_request("e", tokens(500, 5)))
-        plan = run_step(scheduler)
-        assert [p[0] for p in plan] == expected + ["e"]
-        assert [p[1] for p in plan] == [1, 1, 1, 1, 5]
-
-
 # ---- admission -------------------------------------------------------------------------------
 
 def test_admission_stops_at_max_num_seqs():
