@@ -100,23 +100,20 @@ def test_reference_rejects_calls_the_real_library_rejects():
             block_table=case.metadata.block_tables)
 
 
-def test_decode_splits_follow_the_batch_and_leave_flash_attn_its_heuristic_by_default(backend_cls, monkeypatch):
-    """KVMESH_FA_DECODE_CTAS_PER_SM (DECODE_CTAS_PER_SM): 0 passes num_splits=0 (flash-attn's own
-    choice); N splits each decode so batch x KV heads x splits reaches N blocks per SM, 1 to 16."""
+def test_decode_splits_default_to_flash_attn_heuristic_and_follow_the_switch(backend_cls, monkeypatch):
+    """KVMESH_FA_DECODE_SPLITS (DECODE_SPLITS): 0 by default, flash-attn's own choice; N is passed
+    as every decode's num_splits."""
     from kvmesh.worker.attention import flash_attn_backend
 
     case = make_case(num_heads=16, num_kv_heads=8, head_dim=128, page=256, decode_ctx=[300] * 16,
                      prompt_lens=[], prefix_lens=[], device="cpu")
-    backend = backend_cls(16, 8, 128, 256, case.scale, torch.device("cpu"), torch.bfloat16)
-    backend.num_sms = 132
-    assert flash_attn_backend.DECODE_CTAS_PER_SM == 0 and backend.decode_splits(64) == 0
-    monkeypatch.setattr(flash_attn_backend, "DECODE_CTAS_PER_SM", 8)
-    assert [backend.decode_splits(b) for b in (1, 8, 16, 64, 132, 133, 256)] == [16, 16, 9, 3, 1, 1, 1]
     seen = []
     reference = flash_attn_reference.flash_attn_with_kvcache
     monkeypatch.setattr(flash_attn_reference, "flash_attn_with_kvcache",
                         lambda *a, **kw: seen.append(kw["num_splits"]) or reference(*a, **kw))
-    backend.setup()
-    backend.num_sms = 132
-    out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.metadata)
-    assert seen == [9] and relative_error(out, reference_attention(case)) < 1e-2
+    backend = backend_cls(16, 8, 128, 256, case.scale, torch.device("cpu"), torch.bfloat16)
+    for value in (flash_attn_backend.DECODE_SPLITS, 1):
+        monkeypatch.setattr(flash_attn_backend, "DECODE_SPLITS", value)
+        out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.metadata)
+        assert relative_error(out, reference_attention(case)) < 1e-2
+    assert seen == [0, 1]

@@ -2,7 +2,8 @@
 
 Prompt chunks go through `flash_attn_varlen_func` with `block_table` (the cached prefix is read from
 the pool; cu_seqlens_k counts whole contexts), decodes through `flash_attn_with_kvcache` with
-`cache_seqlens`. The step's K/V is stored first by kvmesh's store_kvcache, so both calls only read.
+`cache_seqlens`. The step's K/V is stored first (by kvmesh's store_kvcache, or by the rotation's
+launch: forward's k = v = None), so both calls only read.
 flash-attn's paged mode needs a block size that is a multiple of 256 (registry.BACKENDS, checked
 when the backend is built). No FP8 KV cache: flash-attn 2's kernels read K/V in the query's dtype
 and take no descale (registry.BACKENDS says so; asking for it is an error naming kv_cache_dtype).
@@ -14,12 +15,12 @@ import torch
 
 from .base import AttentionBackend, AttentionMetadata
 
-# Decode steps split each sequence's KV over enough thread blocks (batch x KV heads x splits) to give
-# every SM this many; 0 leaves the split count to flash-attn's own heuristic, which under CUDA graphs
-# sees only the block table's width and splits no batch of 27 or more (16 q / 8 KV heads on 132 SMs).
-# KVMESH_FA_DECODE_CTAS_PER_SM sets it (A/B runs, docs/PERF.md).
-DECODE_CTAS_PER_SM = int(os.environ.get("KVMESH_FA_DECODE_CTAS_PER_SM", "0"))
-MAX_DECODE_SPLITS = 16
+# flash_attn_with_kvcache's num_splits for decode steps: 0 leaves it to flash-attn's heuristic, which
+# under CUDA graphs sees only the block table's width (max_model_len), not the contexts. Measured alone
+# (bench/gpu_kernels.py --fa-splits, docs/PERF.md) 1 was as fast within 1% at batches of 32-256 (where
+# the heuristic picks 1 too) and faster at 8-16 (15-30 us against 27-46); end to end not yet measured,
+# so the default stays 0. KVMESH_FA_DECODE_SPLITS sets it (A/B runs).
+DECODE_SPLITS = int(os.environ.get("KVMESH_FA_DECODE_SPLITS", "0"))
 
 
 class FlashAttnAttentionBackend(AttentionBackend):
@@ -31,16 +32,6 @@ class FlashAttnAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self._store = _store_function(self.device)
-        device = torch.device(self.device)
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-    def decode_splits(self, num_decodes: int) -> int:
-        """flash_attn_with_kvcache's num_splits for a decode batch (0: its own heuristic). A function
-        of the batch size alone, so a CUDA graph captures the count its batch will always use."""
-        if not DECODE_CTAS_PER_SM:
-            return 0
-        blocks = num_decodes * self.num_kv_heads
-        return max(1, min(MAX_DECODE_SPLITS, -(-DECODE_CTAS_PER_SM * self.num_sms // blocks)))
 
     def plan(self, metadata: AttentionMetadata) -> None:
         num_decodes = metadata.num_decode_tokens
@@ -62,7 +53,7 @@ class FlashAttnAttentionBackend(AttentionBackend):
                 k_cache, v_cache,
                 cache_seqlens=metadata.seq_lens[:num_decodes],
                 block_table=metadata.block_tables[:num_decodes],
-                softmax_scale=self.scale, causal=True, num_splits=self.decode_splits(num_decodes)).squeeze(1)
+                softmax_scale=self.scale, causal=True, num_splits=DECODE_SPLITS).squeeze(1)
             if num_decodes == q.shape[0]:  # a decode step: no copy into a joint output
                 return decode_out
         out = torch.empty_like(q)  # [T, H, D]
