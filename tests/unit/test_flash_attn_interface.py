@@ -68,10 +68,15 @@ def test_kv_the_rotation_already_stored_is_read_from_the_cache(backend_cls, deco
         cache.view(-1, 2, 128)[case.metadata.slot_mapping] = new
     before = case.k_cache.clone()
     backend = backend_cls(8, 2, 128, 256, case.scale, torch.device("cpu"), torch.bfloat16)
+    returned = []
+    decode = backend._with_kvcache
+    backend._with_kvcache = lambda *a, **kw: returned.append(decode(*a, **kw)) or returned[-1]
     backend.plan(case.metadata)
     out = backend.forward(case.q, None, None, case.k_cache, case.v_cache, case.metadata)
     assert torch.equal(case.k_cache, before)
     assert relative_error(out, reference_attention(case)) < 1e-2
+    # a decode step hands back flash-attn's own output; a mixed one copies it into the joint output
+    assert (out.data_ptr() == returned[0].data_ptr()) == (not prompt_lens)
     case.k_cache.view(-1, 2, 128)[case.metadata.slot_mapping] = 0  # now the step's keys are gone
     assert relative_error(backend.forward(case.q, None, None, case.k_cache, case.v_cache, case.metadata),
                           reference_attention(case)) > 1e-2
