@@ -107,10 +107,11 @@ def fa_splits():
                 ms = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
                 rows.append(dict(ctx=ctx, batch=batch, splits=splits, us=ms * 1e3,
                                  of_copy=kv_bytes / (ms * 1e-3) / bw))
-            best = min((r for r in rows if r["ctx"] == ctx and r["batch"] == batch), key=lambda r: r["us"])
-            line = " ".join(f"{r['splits']}:{r['us']:.0f}" for r in rows if r["ctx"] == ctx and r["batch"] == batch)
+            case_rows = [r for r in rows if r["ctx"] == ctx and r["batch"] == batch]  # splits 0 first
+            best = min(case_rows, key=lambda r: r["us"])
+            line = " ".join(f"{r['splits']}:{r['us']:.0f}" for r in case_rows)
             print(f"ctx {ctx:5d} batch {batch:4d}  splits:us {line}  best {best['splits']} "
-                  f"({best['of_copy']:.0%} of copy; heuristic {rows[-9]['of_copy']:.0%})", flush=True)
+                  f"({best['of_copy']:.0%} of copy; heuristic {case_rows[0]['of_copy']:.0%})", flush=True)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)

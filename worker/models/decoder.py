@@ -63,9 +63,7 @@ class Attention(nn.Module):
         if FUSE_KV_STORE:
             from kvmesh.kernels.rotary import rotate_and_store
 
-            ctx = get_forward_context()
-            k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-            k_scale, v_scale = ctx.kv_scale(self.layer_idx)
+            ctx, (k_cache, v_cache), (k_scale, v_scale) = self._layer_cache()
             q = rotate_and_store(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache,
                                  ctx.metadata.slot_mapping, k_scale, v_scale, norm=norm)
             return q, None, None
@@ -80,11 +78,15 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention backend over the paged KV cache (writes k and v into it unless the rotation
         did: None): [T, H * D]."""
-        ctx = get_forward_context()
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        k_scale, v_scale = ctx.kv_scale(self.layer_idx)  # FP8 KV cache scales (1.0 otherwise)
+        ctx, (k_cache, v_cache), (k_scale, v_scale) = self._layer_cache()
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, k_scale, v_scale)  # [T, H, D]
         return out.reshape(q.shape[0], self.q_size)
+
+    def _layer_cache(self):
+        """(the step's forward context, this layer's (k_cache, v_cache), its FP8 KV scales (1.0
+        otherwise))."""
+        ctx = get_forward_context()
+        return ctx, ctx.kv_caches[self.layer_idx], ctx.kv_scale(self.layer_idx)
 
 
 class MLP(nn.Module):
