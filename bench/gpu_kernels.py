@@ -3,7 +3,10 @@ measured copy bandwidth and matmul rate. Prints a table; writes JSON to argv[1] 
 Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
      PYTHONPATH=. python3 bench/gpu_kernels.py --fa-splits $OUT/fa_splits.json   flash-attn's decode
        over batch sizes and num_splits (0: its heuristic), the block table as wide as the engine's
-       (max_model_len 4096 / page 256), timed as CUDA-graph replays"""
+       (max_model_len 4096 / page 256), timed as CUDA-graph replays
+     PYTHONPATH=. python3 bench/gpu_kernels.py --decode-mix $OUT/decode_mix.json   decode kernels on
+       uniform and mixed contexts (nano-vllm's 100-2,048): flash-attn, flashinfer's BatchDecode and its
+       XQA (TensorRT-LLM's decode kernel) by page size, each against the float32 reference"""
 
 import importlib.util
 import json
@@ -117,5 +120,76 @@ def fa_splits():
             json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
 
 
+def decode_mix():
+    """Decode kernels under CUDA graphs at the engine's shape, on uniform and on mixed contexts."""
+    import flashinfer
+    from flash_attn import flash_attn_with_kvcache
+
+    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
+    h, hkv, d, max_len = 16, 8, 128, 4096
+    workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+
+    def kernels(page, case, table):
+        m, q = case.metadata, case.q
+        out = {}
+        if page == 256:
+            out["flash_attn"] = lambda: flash_attn_with_kvcache(
+                q.unsqueeze(1), case.k_cache, case.v_cache, cache_seqlens=m.seq_lens, block_table=table,
+                softmax_scale=case.scale, causal=True).squeeze(1)
+        if page in (16, 32, 64, 128):
+            seq_lens = m.seq_lens.clone()
+            xqa_out = torch.empty_like(q)
+            out["xqa"] = lambda: flashinfer.decode.xqa_batch_decode_with_kv_cache(
+                q, (case.k_cache, case.v_cache), workspace, table, seq_lens, max_len,
+                bmm1_scale=case.scale, out=xqa_out)
+        if page in (16, 256):
+            lens = m.seq_lens_cpu
+            pages = [-(-n // page) for n in lens]
+            indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32)
+            indices = torch.cat([m.block_tables[i, :p] for i, p in enumerate(pages)]).int()
+            last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)], dtype=torch.int32)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr.cuda(),
+                paged_kv_indices_buffer=indices.cuda(), paged_kv_last_page_len_buffer=last.cuda())
+            wrapper.plan(indptr, indices.cuda(), last, h, hkv, d, page, q_data_type=torch.bfloat16,
+                         kv_data_type=torch.bfloat16, sm_scale=case.scale)
+            fi_out = torch.empty_like(q)
+            out["flashinfer"] = lambda: wrapper.run(q, (case.k_cache, case.v_cache), out=fi_out)
+        return out
+
+    for label, draw in (("ctx 1000", lambda b: [1000] * b),
+                        ("ctx 100-2048", lambda b: torch.randint(100, 2049, (b,), generator=gen).tolist())):
+        for batch in (16, 64, 128, 256):
+            ctx = draw(batch)
+            kv_bytes = sum(ctx) * hkv * d * 2 * 2
+            for page in (256, 128, 64, 32, 16):
+                case = make_case(num_heads=h, num_kv_heads=hkv, head_dim=d, page=page, decode_ctx=ctx,
+                                 prompt_lens=[], prefix_lens=[])
+                case.k_cache.view(-1, hkv, d)[case.metadata.slot_mapping] = case.k  # decode reads its own K/V
+                case.v_cache.view(-1, hkv, d)[case.metadata.slot_mapping] = case.v
+                ref = reference_attention(case)
+                m = case.metadata
+                table = torch.zeros(batch, max_len // page, dtype=torch.int32, device="cuda")
+                table[:, :m.block_tables.shape[1]] = m.block_tables
+                for name, run in kernels(page, case, table).items():
+                    try:
+                        err = relative_error(run(), ref)
+                        ms = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
+                    except Exception as e:  # one kernel failing must not hide the others' numbers
+                        print(f"{name} page {page}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                        continue
+                    rows.append(dict(case=label, batch=batch, kernel=name, page=page, us=ms * 1e3,
+                                     of_copy=kv_bytes / (ms * 1e-3) / bw, rel_err=err))
+                    r = rows[-1]
+                    print(f"{label:13s} batch {batch:4d} {name:11s} page {page:4d} {r['us']:8.1f} us "
+                          f"{r['of_copy']:5.0%} of copy  err {err:.1e}", flush=True)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
-    fa_splits() if sys.argv[1:2] == ["--fa-splits"] else main()
+    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix}
+    modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

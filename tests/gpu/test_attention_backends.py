@@ -100,3 +100,27 @@ def test_flash_attn_backend_rejects_page_16():
     cls = backend_class("flash_attn")
     with pytest.raises(ValueError, match="multiple of 256"):
         cls(16, 8, 128, 16, 0.1, torch.device("cuda"), torch.bfloat16)
+
+
+def test_flashinfer_decodes_through_xqa_where_it_runs(monkeypatch):
+    """With KVMESH_XQA_DECODE=1, XQA takes the decodes at pages of 16-128 on SM90+ with K/V in the
+    model dtype; elsewhere, and by default, BatchDecode does. Both within the bf16 band."""
+    cls = backend_class("flashinfer")
+    from kvmesh.worker.attention import flashinfer_backend
+
+    if torch.cuda.get_device_capability()[0] not in (9, 10, 12):
+        pytest.skip("XQA runs on SM90 / SM100 / SM120")
+    shape = dict(num_heads=16, num_kv_heads=8, head_dim=128)
+    for page, xqa_on, expected in [(64, True, True), (128, True, True), (256, True, False), (64, False, False)]:
+        monkeypatch.setattr(flashinfer_backend, "XQA_DECODE", xqa_on)
+        case = make_case(page=page, decode_ctx=[3, 640, 2049, 129], prompt_lens=[200], prefix_lens=[64],
+                         seed=page, **shape)
+        backend = cls(16, 8, 128, page, case.scale, torch.device("cuda"), torch.bfloat16)
+        assert backend.xqa is expected, (page, xqa_on)
+        backend.plan(case.metadata)
+        out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.metadata)
+        err = relative_error(out, reference_attention(case))
+        assert err < BF16_BAND, f"page {page} xqa {expected}: relative error {err}"
+    monkeypatch.setattr(flashinfer_backend, "XQA_DECODE", True)
+    fp8 = cls(16, 8, 128, 64, 0.1, torch.device("cuda"), torch.bfloat16, kv_cache_dtype="fp8")
+    assert not fp8.xqa  # its FP8 kernel is not verified here: BatchDecode reads FP8 K/V

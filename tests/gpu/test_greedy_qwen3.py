@@ -21,14 +21,18 @@ def reference():
     return generate_greedy("torch", logprobs=TOP_K)
 
 
-@pytest.mark.parametrize("backend,torch_compile", [
-    ("triton", False), ("flashinfer", False), ("flash_attn", False),
-    ("triton", True), ("flash_attn", True)])  # torch_compile: the compiled layers under CUDA graphs
-def test_greedy_tokens_match_torch_backend(reference, backend, torch_compile):
+@pytest.mark.parametrize("backend,torch_compile,block_size,xqa", [
+    ("triton", False, 16, False), ("flashinfer", False, 16, False), ("flash_attn", False, 256, False),
+    ("flashinfer", False, 16, True), ("flashinfer", False, 64, True),  # XQA decode (KVMESH_XQA_DECODE)
+    ("flashinfer", False, 256, False),
+    ("triton", True, 16, False), ("flash_attn", True, 256, False)])  # torch_compile: compiled layers under graphs
+def test_greedy_tokens_match_torch_backend(reference, monkeypatch, backend, torch_compile, block_size, xqa):
     module = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}.get(backend)
     if module and importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed here")
-    block_size = 256 if backend == "flash_attn" else 16  # flash-attn's paged kernels need 256
+    if backend == "flashinfer":
+        from kvmesh.worker.attention import flashinfer_backend
+        monkeypatch.setattr(flashinfer_backend, "XQA_DECODE", xqa)
     outs = generate_greedy(backend, block_size=block_size, torch_compile=torch_compile)
     for prompt_index, (ref, out) in enumerate(zip(reference, outs)):
         assert len(out.token_ids) == 64

@@ -120,3 +120,20 @@ def test_the_fusion_switches_set_to_0_keep_the_kernels_apart(variable, flag, val
     out = subprocess.run([sys.executable, "-c", f"from kvmesh.worker.layers.kernels import {flag}; "
                           f"print({flag})"], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == str(fused), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True)])
+def test_the_xqa_switch_is_off_unless_set_to_1(value, on):
+    """KVMESH_XQA_DECODE (docs/PERF.md): read once when the flashinfer backend's module is imported;
+    off by default. Even on, a CPU device never takes the XQA path."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_XQA_DECODE"}
+    if value is not None:
+        env["KVMESH_XQA_DECODE"] = value
+    code = ("import torch; from kvmesh.worker.attention import flashinfer_backend as f; "
+            "print(f.XQA_DECODE, f.xqa_supported(torch.device('cpu'), 64, 128, torch.bfloat16, torch.bfloat16))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [str(on), "False"], out.stderr[-2000:]
