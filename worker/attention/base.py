@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import InitVar, dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -56,6 +56,9 @@ class AttentionBackend(ABC):
     against when built; then `setup` imports the backend's kernels and builds its buffers."""
 
     name: ClassVar[str] = "abstract"
+    # the K/V store kernel, store_kvcache's signature (k, v, k_cache, v_cache, slot_mapping, k_scale,
+    # v_scale): set by the class or by setup()
+    _store: ClassVar[Callable[..., None]]
 
     num_heads: int
     num_kv_heads: int
@@ -80,12 +83,20 @@ class AttentionBackend(ABC):
     def plan(self, metadata: AttentionMetadata) -> None:
         """Per-step preparation shared by all layers (index buffers, kernel plans)."""
 
+    def store(self, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, metadata: AttentionMetadata, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> None:
+        """Write the step's K/V ([T, Hkv, D]) into the caches at metadata.slot_mapping (slot -1
+        skipped; into an FP8 cache as K / k_scale, V / v_scale) with the backend's `_store` kernel,
+        which setup() picks; k = v = None: kvmesh.kernels.rotary.rotate_and_store already did."""
+        if k is not None:
+            self._store(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """Write k, v ([T, Hkv, D]) into the caches at metadata.slot_mapping, then attend. k = v =
-        None: they are in the caches already (kvmesh.kernels.rotary.rotate_and_store wrote them).
+        """`store` k, v ([T, Hkv, D]) (k = v = None: already in the caches), then attend.
 
         q: [T, H, D]. Returns [T, H, D]. k_scale / v_scale: the layer's FP8 scales (unused when
         the cache is in the model dtype).

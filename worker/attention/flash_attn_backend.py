@@ -44,8 +44,7 @@ class FlashAttnAttentionBackend(AttentionBackend):
             metadata.extra["flash_attn_max_seqlen_q"] = max(metadata.query_lens_cpu[num_decodes:])
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):  # scales: FP8 only
-        if k is not None:  # None: the rotation's launch already wrote them
-            self._store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        self.store(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
             decode_out = self._with_kvcache(
@@ -75,15 +74,9 @@ class FlashAttnAttentionBackend(AttentionBackend):
 
 
 def _store_function(device: torch.device):
-    """The Triton store on a GPU; an indexed copy elsewhere (the CPU interface test)."""
+    """The Triton store on a GPU; the torch backend's indexed copy elsewhere (the CPU interface test)."""
     if torch.device(device).type == "cuda":
         from kvmesh.kernels.store_kvcache import store_kvcache
         return store_kvcache
-    return _store_kvcache_torch
-
-
-def _store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping):
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
-
+    from .torch_backend import store_kvcache_torch
+    return store_kvcache_torch

@@ -120,8 +120,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):
         if not metadata.extra.get("flashinfer_planned"):
             self.plan(metadata)
-        if k is not None:  # None: the rotation's launch already wrote them
-            self._store(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        self.store(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         # None when there is nothing to scale: flashinfer then skips its `out *= v_scale`
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.fp8_kv else {}
         q = q.contiguous()

@@ -43,10 +43,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    _store = staticmethod(store_kvcache_torch)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, k_scale=1.0, v_scale=1.0):
-        if k is not None:  # None: the rotation's launch already wrote them
-            store_kvcache_torch(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        self.store(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         out = torch.empty_like(q)
         group = self.num_heads // self.num_kv_heads
         start = 0

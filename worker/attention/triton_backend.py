@@ -32,8 +32,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_decodes, self.num_kv_heads, metadata.max_seq_len, self.num_sms) if num_decodes else 1
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):
-        if k is not None:  # None: the rotation's launch already wrote them
-            self._store(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        self.store(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         out = torch.empty_like(q)  # [T, H, D]
         num_decodes = metadata.num_decode_tokens
         num_tokens = q.shape[0]
