@@ -35,6 +35,11 @@ INLINE_TOKENIZE_CHARS = 4096
 CHARS_PER_TOKEN_BOUND = 32
 
 
+# The request fields the engine's own refusals begin with (n / best_of over max_num_seqs, token
+# ids outside the vocabulary); kvmesh.SamplingParams names them as the OpenAI / vLLM fields.
+ENGINE_NAMED_FIELDS = ("n", "best_of", "stop_token_ids", "logit_bias")
+
+
 class Frontend:
     def __init__(self, config: ServeConfig, worker_handle):
         from kvmesh.worker.loader import load_tokenizer
@@ -186,10 +191,14 @@ class Frontend:
 
     @staticmethod
     def worker_error(delta: TokenDelta, param: str) -> ApiError:
-        """The error to answer for a request that failed before its first token."""
+        """The error to answer for a request that failed before its first token. An engine
+        refusal about a request field names it first (worker/engine.py Engine.add_request):
+        that field is the `param`; any other is about the prompt (`param`)."""
         message = delta.error or "the request failed"
         if message.startswith("invalid_request: "):
-            return ApiError(400, message[len("invalid_request: "):], param=param)
+            message = message[len("invalid_request: "):]
+            field = message.split(" ", 1)[0]
+            return ApiError(400, message, param=field if field in ENGINE_NAMED_FIELDS else param)
         return ApiError(503, message, type="server_error", code="worker_failed", retry_after_s=1)
 
     def account(self, routed: RoutedRequest, first_token: float | None, last: TokenDelta | None,

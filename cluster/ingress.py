@@ -281,8 +281,10 @@ class Ingress(GrpcService, HealthService):
         """vLLM's /tokenize: a prompt or chat messages, tokenized as the generation endpoints do."""
         try:
             req = await self._tokenizer_request(request, tokenize_api.TokenizeCompletion)
-            if isinstance(req, tokenize_api.TokenizeChat):
-                ids = await self.frontend.encode_chat(chat_prompt_text(req.messages))
+            if isinstance(req, tokenize_api.TokenizeChat):  # rendered as chat renders it
+                messages, _ = render_chat(req.messages, chat_prompt_text(req.messages), None,
+                                          self.frontend.tokenizer)
+                ids = await self.frontend.encode_chat(messages)
             else:
                 ids = await self.frontend.encode_text(req.prompt, req.add_special_tokens)
             info = await self.frontend.model_info()

@@ -35,6 +35,16 @@ SERVE_FAST_PATH_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_
 
 # Serve's default limit on messages between its proxy and a replica (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH).
 SERVE_REPLICA_MESSAGE_BYTES = 4 * 1024 * 1024
+REPLICA_MESSAGE_HEADROOM_BYTES = 1024 * 1024  # the request re-wrapped for the replica call
+GRPC_MESSAGE_BYTES_CAP = 2**31 - 1  # gRPC takes its message limits as C ints
+
+
+def replica_message_bytes(proxy_message_bytes: int) -> int:
+    """Serve's proxy-to-replica message limit for a gRPC proxy limit of `proxy_message_bytes`: a
+    request the proxy accepts must also fit, re-wrapped, between proxy and ingress replica. The
+    Helm chart and the `ray up` configs (deploy/) set the same."""
+    return min(GRPC_MESSAGE_BYTES_CAP,
+               max(SERVE_REPLICA_MESSAGE_BYTES, proxy_message_bytes + REPLICA_MESSAGE_HEADROOM_BYTES))
 
 
 def listener_env(cfg: ServeConfig) -> dict[str, str]:
@@ -53,8 +63,8 @@ def listener_env(cfg: ServeConfig) -> dict[str, str]:
         # Serve's own setting of its gRPC proxy's largest message (both directions; answers are
         # small). A request that fits must also fit, re-wrapped, between proxy and ingress.
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(server.grpc_max_message_bytes),
-        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(max(
-            SERVE_REPLICA_MESSAGE_BYTES, server.grpc_max_message_bytes + 1024 * 1024)),
+        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(
+            replica_message_bytes(server.grpc_max_message_bytes)),
     }
 
 

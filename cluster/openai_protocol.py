@@ -75,12 +75,19 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # A key OpenAI's message types do not define is refused by its path (messages.0.x), as
+    # top-level fields are; nothing in a message is dropped unseen.
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: calls made (cluster/tool_calls.py)
     tool_call_id: str | None = None  # tool: the call this message answers
-    name: str | None = None
+    name: str | None = None  # passed to the chat template, as vLLM does (tool_calls.render_chat)
+    # An assistant message sent back as another server returned it: only their empty values.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
 
 
 class ChatCompletionRequest(_Request):
@@ -102,13 +109,6 @@ class CompletionRequest(_Request):
     best_of: int | None = None  # cluster/openai_choices.py
 
 
-UNSUPPORTED = {
-    "functions": "function calls are not supported",
-    "function_call": "function_call is not supported; use tools and tool_choice",
-    "suffix": "suffix is not supported",
-}
-
-
 def parse_request(body: Any, cls: type[_Request]) -> _Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -120,9 +120,6 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
         err = max(e.errors(), key=lambda err: len(err["loc"]))
         param = _field_path(body, err["loc"])
         raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
-    for name, why in UNSUPPORTED.items():
-        if body.get(name) not in (None, [], {}):
-            raise ApiError(400, why, param=name)
     check_choices(body, req)
     _check_stream_options(req)
     return req

@@ -14,7 +14,9 @@ What the pipeline does, once for both:
   "abort"; closing a stream (the client went away) cancels the worker call, which aborts the
   request in the engine;
 - metrics: every refusal is counted by status (`refused`), every finished request by status 200
-  with its latencies and tokens (`kvmesh_requests_total` and the rest, metrics.py).
+  with its latencies and tokens (`kvmesh_requests_total` and the rest, metrics.py); a stream that
+  ends with finish_reason "error" (its worker died or failed after it sent tokens) by status 503
+  alone.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from kvmesh.cluster.metrics import TokenGaps
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
+
+FAILED_STREAM_STATUS = 503  # kvmesh_requests_total status of a stream that ended in "error"
 
 
 @dataclass
@@ -207,10 +211,11 @@ def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 class DeltaStream:
     """An admitted request's TokenDeltas as an async iterator (the last one finished). When the
-    consumer asks past the last, the request is counted (status 200, latencies, tokens). Closing
-    it early (the client went away) cancels the worker call, which aborts the request in the
-    engine. With an `abort` event, setting it stops the worker call and ends the stream with an
-    "abort" delta (not counted: no answer was completed)."""
+    consumer asks past the last, the request is counted (status 200, latencies, tokens; status 503
+    alone when it ended with finish_reason "error"). Closing it early (the client went away)
+    cancels the worker call, which aborts the request in the engine. With an `abort` event,
+    setting it stops the worker call and ends the stream with an "abort" delta (not counted: no
+    answer was completed)."""
 
     def __init__(self, frontend: Frontend, admitted: Admitted, abort: asyncio.Event | None,
                  beside_others: bool = False):
@@ -269,10 +274,14 @@ class DeltaStream:
         return self._step.result()
 
     def _count(self) -> None:
-        if not self._counted and self.last.finish_reason != "abort":
-            self._counted = True
-            self.frontend.account(self.routed, self._first_token_time, self.last,
-                                  self.num_tokens, 200, self._token_gaps.gaps)
+        if self._counted or self.last.finish_reason == "abort":  # an abort: counted by aclose
+            return
+        self._counted = True
+        # "error" after tokens (its worker died or failed mid-stream): the request failed, as a
+        # non-streamed one that fails is answered 503, so neither it nor its tokens are a success
+        status = FAILED_STREAM_STATUS if self.last.finish_reason == "error" else 200
+        self.frontend.account(self.routed, self._first_token_time, self.last,
+                              self.num_tokens, status, self._token_gaps.gaps)
 
     async def aclose(self) -> None:
         if not self._counted and self._started:  # ended before it finished: aborted

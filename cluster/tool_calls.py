@@ -144,6 +144,10 @@ def render_chat(messages, texts: list[dict], request: ToolRequest | None,
                 out.append({"role": "user", "content": "<tool_response>\n" + text["content"]
                             + "\n</tool_response>"})
         else:
+            name = getattr(m, "name", None)
+            if name is not None:  # the template's own text if it renders it: no control tokens
+                _refuse_special_text(tokenizer, name, f"messages.{i}.name")
+                text = {**text, "name": name}
             out.append(text)
     if native:  # what the template renders as its own text besides the content
         _refuse_special_text(tokenizer, [[m.get("tool_calls"), m.get("tool_call_id")] for m in out],

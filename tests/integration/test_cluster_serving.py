@@ -382,6 +382,15 @@ def test_tokenize_counts_the_prompt_tokens_the_endpoints_bill(cluster, openai_cl
     status, chat = walk.post(url, "/tokenize", {"model": MODEL, "messages": MESSAGES})
     r = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
     assert status == 200 and chat["count"] == r.usage.prompt_tokens
+    # a history with a call, its result and a named message: rendered as chat renders it
+    history = MESSAGES + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?", "name": "alice"}]
+    status, chat = walk.post(url, "/tokenize", {"model": MODEL, "messages": history})
+    r = openai_client.chat.completions.create(model=MODEL, messages=history, max_tokens=1)
+    assert status == 200 and chat["count"] == r.usage.prompt_tokens, chat
     status, text = walk.post(url, "/detokenize", {"model": MODEL, "tokens": tok["tokens"]})
     assert (status, text) == (200, {"prompt": "Hello world"})
 

@@ -212,6 +212,13 @@ def test_raw_malformed_bodies_are_4xx(cluster, reference_text, path):
     assert_still_correct(cluster, reference_text)
 
 
+def test_json_nested_too_deep_is_a_400_saying_the_body_is_not_json(cluster):
+    """docs/SERVING.md "Errors": no field to name, so `param` is null."""
+    status, body, _ = http(cluster.http_url + "/v1/completions", raw=b"[" * 100000 + b"]" * 100000, timeout=60)
+    assert status == 400 and body["error"]["param"] is None, body
+    assert "not valid JSON" in body["error"]["message"], body
+
+
 # ---- gRPC --------------------------------------------------------------------------------------------
 
 grpc_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)  # protobuf strings are UTF-8

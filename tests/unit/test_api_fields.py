@@ -126,6 +126,32 @@ def test_no_op_values_of_refused_fields_are_accepted(kind, fields):
     parse_request(body(kind, **fields), CLS[kind])
 
 
+@pytest.mark.parametrize("kind,name,value", [
+    (kind, name, value) for kind in BOTH for name, refused in refused_fields(kind).items()
+    for value in refused.no_op])
+def test_every_no_op_value_the_table_names_is_accepted(kind, name, value):
+    """api_fields.REFUSED's no-op values (e.g. function_call: "none") ask for nothing: accepted."""
+    parse_request(body(kind, **{name: value}), CLS[kind])
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"nickname": "a"}, "messages.0.nickname"), ({"refusal": "no"}, "messages.0.refusal"),
+    ({"annotations": [{"type": "url_citation"}]}, "messages.0.annotations")])
+def test_a_message_key_outside_openais_message_types_or_with_a_value_is_a_400_naming_it(extra, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(body(CHAT, messages=[{"role": "user", "content": "Hi", **extra}]), CLS[CHAT])
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_an_assistant_message_sent_back_with_empty_fields_is_accepted():
+    """As another server returned it: refusal / audio / function_call null, annotations []."""
+    reply = {"role": "assistant", "content": "Hello", "refusal": None, "audio": None,
+             "function_call": None, "annotations": [], "name": "bot"}
+    req = parse_request(body(CHAT, messages=[{"role": "user", "content": "Hi"}, reply,
+                                             {"role": "user", "content": "Again"}]), CLS[CHAT])
+    assert req.messages[1].name == "bot"
+
+
 def test_a_request_holds_at_most_64_prompts():
     from kvmesh.cluster.ingress import MAX_PROMPTS_PER_REQUEST, _prompts
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # deploy_support, helm
 from deploy_support import DEPLOY, load, ray_start_commands, ray_start_env  # noqa: E402
 
 from kvmesh import serve_config as serving  # noqa: E402
+from kvmesh.cluster.launcher import listener_env  # noqa: E402
 
 ray_util = pytest.importorskip("ray.autoscaler._private.util", reason="ray is not installed (pip install -e '.[serve]')")
 
@@ -156,6 +157,19 @@ def test_every_node_caps_serve_grpc_messages_and_runs_the_same_ray_environment(n
     assert head_env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     for command in commands.values():
         assert "--metrics-export-port=8080" in command and "--object-manager-port=8076" in command
+
+
+@pytest.mark.parametrize("name", CLOUD_CONFIGS)
+def test_every_node_sets_the_grpc_limits_kvmesh_serve_sets_for_the_served_config(name):
+    """The proxy limit is the served config's server.grpc_max_message_bytes, and the proxy-to-replica
+    limit what `kvmesh serve` sets beside it (above the proxy's), so a request the gRPC proxy
+    takes is not refused on its way to the ingress replica."""
+    local = listener_env(serving.load_config(str(DEPLOY / "serve.yaml")))
+    for role, command in ray_start_commands(prepared(name)).items():
+        env = ray_start_env(command)
+        for var in ("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"):
+            assert env[var] == local[var], (role, var)
+        assert int(env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > int(env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"])
 
 
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)

@@ -15,6 +15,7 @@ from helm_support import CHART, NAMESPACE, REPO, helm, manifests, one, render, s
 from helm_values import BAD_VALUES, VALUE_SETS  # noqa: E402
 
 from kvmesh import serve_config as serving  # noqa: E402
+from kvmesh.cluster import launcher  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
@@ -26,6 +27,11 @@ def test_lint_strict_is_clean(name):
 def test_default_render_has_rayservice_and_api_services():
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in manifests())
     assert kinds == [("RayService", "demo-kvmesh"), ("Service", "demo-kvmesh-grpc"), ("Service", "demo-kvmesh-http")]
+
+
+def test_default_upgrade_strategy_is_new_cluster():
+    """A spec change brings up a new RayCluster and switches traffic once it serves (docs/DEPLOY.md)."""
+    assert one(manifests(), "RayService")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
 
 
 def test_serve_config_carries_the_kvmesh_config_as_build_app_args():
@@ -164,6 +170,28 @@ def test_every_ray_container_caps_serve_grpc_messages():
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(4 * 1024 * 1024)
     for env in _ray_container_envs(VALUE_SETS["cpu-only"]).values():
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == "1048576"
+
+
+@pytest.mark.parametrize("proxy_bytes", [1024, 1048576, 4 * 1024 * 1024, 64 * 1024 * 1024, 2**31 - 1])
+def test_every_ray_container_lets_what_the_grpc_proxy_accepts_through_to_the_replica(proxy_bytes):
+    """The proxy-to-replica limit is the one `kvmesh serve` sets for the same proxy limit (never
+    below it), so a message above Ray's 4 MiB replica default that the proxy takes is not refused
+    on its way to the ingress."""
+    envs = _ray_container_envs({"serve": {"grpcMaxMessageBytes": proxy_bytes}})
+    local = launcher.listener_env(serving.parse_config({"server": {"grpc_max_message_bytes": proxy_bytes}}))
+    for env in envs.values():
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(proxy_bytes)
+        replica = env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]["value"]
+        assert replica == local["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]
+        assert int(replica) >= proxy_bytes
+
+
+def test_a_group_env_may_not_set_the_replica_grpc_limit_apart_from_the_proxys():
+    values = {"head": {"env": [{"name": "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", "value": "1024"}]}}
+    with pytest.raises(helm.HelmError) as error:
+        render(values)
+    assert ("head.env sets RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, which the chart sets on every "
+            "Ray container from serve.grpcMaxMessageBytes") in str(error.value)
 
 
 def test_ray_start_params_are_strings():

@@ -82,7 +82,8 @@ def test_a_slow_head_gets_408_and_is_closed_within_the_timeout(server_port):
     with connect(server_port) as sock:
         elapsed, answer = trickle_until_answered(sock)
     assert answer.startswith(b"HTTP/1.1 408"), answer
-    assert b"server.header_timeout_s" in answer
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_timeout" and "server.header_timeout_s" in error["message"]
     assert HEADER_TIMEOUT_S - 0.05 <= elapsed < HEADER_TIMEOUT_S + 2
 
 

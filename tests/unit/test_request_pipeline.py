@@ -97,6 +97,35 @@ def test_a_refusal_before_any_token_is_raised_before_the_response_starts():
     assert e.value.message == "the prompt is too long"
 
 
+def test_an_engine_refusal_of_a_request_field_names_that_field():
+    """The engine's own refusal (n over max_num_seqs), as the worker sends it, is a 400 naming n."""
+    from kvmesh import LLM
+    from kvmesh.cluster.engine_core import rejected
+    from kvmesh.protocol import EngineRequest
+
+    llm = LLM("random:tiny-llama", device="cpu", max_num_seqs=2)
+    req = EngineRequest("r", [1, 2, 3], SamplingParams(n=3, max_tokens=2))
+    with pytest.raises(ValueError) as refusal:
+        llm.engine.validate_request(req)
+    handle = Handle([rejected(req, refusal.value)])
+    with pytest.raises(ApiError) as e:
+        run_stream(pipeline(handle))
+    assert (e.value.status, e.value.param) == (400, "n") and "max_num_seqs" in e.value.message
+
+
+def test_a_worker_that_fails_before_the_first_token_is_a_503_worker_failed_to_retry():
+    handle = Handle([delta([], "error", "the worker failed: ValueError")])
+    with pytest.raises(ApiError) as e:
+        run_stream(pipeline(handle))
+    assert (e.value.status, e.value.code, e.value.retry_after_s) == (503, "worker_failed", 1)
+
+
+def test_an_unknown_model_is_a_404_model_not_found():
+    with pytest.raises(ApiError) as e:
+        asyncio.run(pipeline().admit(request(model="another-model")))
+    assert (e.value.status, e.value.param, e.value.code) == (404, "model", "model_not_found")
+
+
 def test_a_finished_stream_is_counted_once_after_its_last_delta():
     p = pipeline(Handle([delta([5]), delta([6, 7], "length")]))
     out = run_stream(p)

@@ -2,6 +2,8 @@
 documented, the engine config it yields, and deploy/serve.yaml."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -21,9 +23,10 @@ def test_defaults_match_the_contract():
         "gpu_memory_utilization": 0.9, "enable_prefix_caching": True, "attention_backend": "auto",
         "kv_cache_dtype": "auto", "enforce_eager": False, "torch_compile": False, "seed": 0,
         "tensor_parallel_size": 1, "quantization": None}
-    assert {k: cfg["replicas"][k] for k in ("num_replicas", "num_gpus", "num_cpus",
-                                            "max_ongoing_requests", "resources")} == {
-        "num_replicas": 1, "num_gpus": 1, "num_cpus": 1, "max_ongoing_requests": 64, "resources": {}}
+    assert cfg["replicas"] == {
+        "num_replicas": 1, "num_gpus": 1, "num_cpus": 1, "max_ongoing_requests": 64,
+        "max_queued_requests": 1024, "engine_process": True, "resources": {},
+        "engine_stall_timeout_s": 3.0}  # docs/RELIABILITY.md, docs/SERVING.md: stalled after 3 s
     assert cfg["routing"]["policy"] == "kv_events" and cfg["routing"]["ingress_replicas"] == 1
     assert cfg["autoscaling"] == {
         "enabled": False, "policy": "ongoing_requests", "min_replicas": 1, "max_replicas": 4,
@@ -40,6 +43,23 @@ def test_defaults_match_the_contract():
                              "grpc_reflection": False}
     assert cfg["limits"] == {"max_prompt_tokens": None, "max_output_tokens": None,
                              "max_body_bytes": 1_048_576, "max_prompt_chars": None}
+
+
+def test_a_silent_worker_is_stale_after_3_s_unless_kvmesh_stale_load_s_says_otherwise():
+    """docs/ROUTING.md and docs/RELIABILITY.md: a worker whose load reports have not changed for
+    KVMESH_STALE_LOAD_S (3 s) is ranked last. Read when router/routing_state.py is imported, so each
+    case runs in a fresh interpreter."""
+    script = ("from kvmesh.router.routing_state import RoutingState\n"
+              "print(RoutingState('round_robin', block_size=16).stale_load_s)")
+
+    def stale_load_s(**env):
+        clean = {k: v for k, v in os.environ.items() if k != "KVMESH_STALE_LOAD_S"}
+        out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**clean, **env},
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        return float(out)
+
+    assert stale_load_s() == 3.0
+    assert stale_load_s(KVMESH_STALE_LOAD_S="7.5") == 7.5
 
 
 def test_unknown_keys_are_rejected_by_name():
@@ -98,6 +118,63 @@ def test_load_config_reads_yaml_and_names_the_file_in_errors(tmp_path):
     not_a_map.write_text("- 1\n")
     with pytest.raises(ValueError, match="must be a YAML mapping"):
         load_config(str(not_a_map))
+
+
+def serve_args(*argv):
+    """`kvmesh serve ARGV` as the CLI's own parser reads it."""
+    from kvmesh.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_device_cpu_also_asks_for_no_gpus_per_replica(tmp_path):
+    """docs/SERVING.md, README: `--device cpu` also sets replicas.num_gpus: 0 (a CPU replica must not
+    wait for a GPU); other devices keep the config's GPUs."""
+    from kvmesh.commands.serve import load_with_overrides
+
+    path = tmp_path / "gpu.yaml"
+    path.write_text("model: random:tiny-llama\nreplicas: {num_replicas: 2, num_gpus: 1}\n")
+    cfg = load_with_overrides(serve_args(str(path), "--device", "cpu"))
+    assert (cfg.engine.device, cfg.replicas.num_gpus) == ("cpu", 0)
+    assert (cfg.model, cfg.replicas.num_replicas) == ("random:tiny-llama", 2)  # the rest kept
+    for device in ("cuda", "auto"):
+        cfg = load_with_overrides(serve_args(str(path), "--device", device))
+        assert (cfg.engine.device, cfg.replicas.num_gpus) == (device, 1)
+    assert load_with_overrides(serve_args("--device", "cpu")).replicas.num_gpus == 0  # no config
+
+
+def test_repeated_api_key_flags_are_added_to_the_configs_keys(tmp_path):
+    from kvmesh.commands.serve import load_with_overrides
+
+    path = tmp_path / "keys.yaml"
+    path.write_text("server: {api_keys: [from-file]}\n")
+    cfg = load_with_overrides(serve_args(str(path), "--api-key", "one", "--api-key", "two",
+                                         "--api-key", "from-file"))
+    assert cfg.server.api_keys == ["from-file", "one", "two"]
+    assert load_with_overrides(serve_args("--api-key", "a", "--api-key", "b")).server.api_keys == ["a", "b"]
+
+
+def test_emit_serve_config_writes_the_serve_config_to_path_and_exits(tmp_path, capsys):
+    """`--emit-serve-config PATH` writes the Serve config of the config with the command line's
+    overrides to PATH and returns without starting anything; without PATH it goes to stdout."""
+    from kvmesh.cluster.app import serve_config_document
+    from kvmesh.commands.serve import load_with_overrides, run_serve
+
+    out = tmp_path / "app.yaml"
+    argv = ("--model", "random:tiny-llama", "--device", "cpu", "--http-port", "8100",
+            "--api-key", "k1", "--emit-serve-config", str(out))
+    assert run_serve(serve_args(*argv)) == 0
+    written = yaml.safe_load(out.read_text())
+    assert written == serve_config_document(load_with_overrides(serve_args(*argv)))
+    args = written["applications"][0]["args"]
+    assert (args["model"], args["replicas"]["num_gpus"], args["server"]["api_keys"]) == (
+        "random:tiny-llama", 0, ["k1"])
+    assert written["http_options"]["port"] == 8100
+    assert f"wrote {out}" in capsys.readouterr().err
+
+    assert run_serve(serve_args("--model", "random:tiny-llama", "--emit-serve-config")) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["applications"][0]["args"]["model"] == "random:tiny-llama"
 
 
 def test_shipped_deploy_serve_yaml_is_valid_and_complete():

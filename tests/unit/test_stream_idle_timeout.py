@@ -2,6 +2,8 @@
 an app that streams like Serve's proxy (it stops when receive() says http.disconnect): a client that
 reads nothing is cut after the timeout and the app learns it; a client that reads more slowly than
 the app writes, so that uvicorn's send waits longer than the timeout, is not cut and gets it all.
+A timeout of 0 is off: the ingress's direct port does not cut a client that reads nothing, and
+apply() leaves Serve's proxies unwrapped.
 The same two cases for gRPC's with_write_deadline, on a real grpc.aio server and client (a reader
 that does not stop is not timed out; one that stops is, and still gets what was queued, then the
 error status)."""
@@ -102,6 +104,75 @@ def test_a_client_that_reads_nothing_is_cut_and_the_app_stops(server):
                 pass
     finally:
         client.close()
+
+
+def test_a_timeout_of_0_on_the_direct_port_never_cuts_a_client_that_reads_nothing():
+    """docs/RELIABILITY.md: `server.stream_idle_timeout_s: 0` turns the timeout off. The ingress's
+    direct port (cluster/direct_http.serve_direct, real uvicorn on 127.0.0.1) then leaves a client
+    that reads nothing connected, the app waiting on its full buffer, and it gets everything once
+    it reads. (A timeout of 0 applied would cut it at the first send that waits.)"""
+    from kvmesh.cluster.direct_http import serve_direct, shared_socket
+    from kvmesh.serve_config import parse_config
+
+    app = StreamingApp()
+    port = free_port()
+    sock = shared_socket("127.0.0.1", port)
+    loop = asyncio.new_event_loop()
+    serving = loop.create_task(serve_direct(
+        app, sock, parse_config({"server": {"stream_idle_timeout_s": 0}}).server))
+
+    def run():
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(serving)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    client = small_buffer_client(port, rcvbuf=4096)
+    try:
+        received = bytearray(client.recv(64))
+        assert received.startswith(b"HTTP/1.1 200")
+        time.sleep(2 * TIMEOUT_S)  # reading nothing while the app's sends wait
+        assert not app.ended.is_set() and 0 < app.chunks_sent < NUM_CHUNKS
+        while not received.endswith(b"0\r\n\r\n"):
+            data = client.recv(65536)
+            assert data, "the server closed the connection"
+            received += data
+    finally:
+        client.close()
+        app.ended.wait(10)
+        loop.call_soon_threadsafe(serving.cancel)
+        thread.join(10)
+        loop.close()
+        sock.close()
+    assert app.ended.is_set() and not app.disconnected
+    assert app.chunks_sent == NUM_CHUNKS and received.count(CHUNK) == NUM_CHUNKS
+
+
+def test_a_timeout_of_0_leaves_serves_proxies_as_they_are(monkeypatch):
+    """The launcher passes `server.stream_idle_timeout_s: 0` to Serve's proxies as
+    KVMESH_STREAM_IDLE_TIMEOUT_S (listener_env); apply() then wraps neither proxy (a timeout above
+    0 wraps both: the check below would see it)."""
+    from ray.serve._private import proxy
+
+    from kvmesh.cluster.launcher import listener_env
+    from kvmesh.cluster.stream_idle_timeout import TIMEOUT_ENV, apply
+    from kvmesh.serve_config import parse_config
+
+    http, grpc_factory = proxy.configure_http_middlewares, proxy.gRPCProxy.service_handler_factory
+    # put back Serve's own functions after the test, whatever apply() did
+    monkeypatch.setattr(proxy, "configure_http_middlewares", http)
+    monkeypatch.setattr(proxy.gRPCProxy, "service_handler_factory", grpc_factory)
+
+    off = listener_env(parse_config({"server": {"stream_idle_timeout_s": 0}}))[TIMEOUT_ENV]
+    monkeypatch.setenv(TIMEOUT_ENV, off)
+    apply()
+    assert proxy.configure_http_middlewares is http
+    assert proxy.gRPCProxy.service_handler_factory is grpc_factory
+
+    monkeypatch.setenv(TIMEOUT_ENV, "5")
+    apply()
+    assert proxy.configure_http_middlewares is not http
+    assert proxy.gRPCProxy.service_handler_factory is not grpc_factory
 
 
 def test_a_slow_reader_is_not_cut_and_gets_everything(server):

@@ -216,6 +216,25 @@ def test_a_grammar_that_leads_nowhere_ends_its_request_as_invalid():
                                 "after 1 tokens")
 
 
+def test_a_completed_grammar_stops_its_request_even_with_ignore_eos():
+    """docs/SERVING.md: once the grammar is complete nothing more may follow, ignore_eos or not."""
+    from kvmesh.protocol import EngineRequest
+    from kvmesh.worker.engine import Engine
+    from kvmesh.config import EngineConfig
+
+    engine = Engine(EngineConfig(model="random:tiny-llama", device="cpu"))
+    engine.add_request(EngineRequest("ab", list(range(20)), SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, structured_outputs=StructuredOutputs(regex="ab"))))
+    deltas = []
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        deltas += engine.step()
+    assert "".join(d.text for d in deltas) == "ab"
+    assert deltas[-1].finish_reason == "stop"
+    assert sum(len(d.token_ids) for d in deltas) < 8
+
+
 @pytest.mark.slow
 def test_n3_under_a_json_schema_gives_three_schema_valid_sequences(llm):
     """Each forked sequence has its own grammar state: three different samples, each valid."""

@@ -237,6 +237,31 @@ def test_a_local_serve_refuses_more_gpus_per_worker_than_the_machine_has(monkeyp
     assert launcher.fit_to_this_machine(cfg, address=None) is cfg
 
 
+def test_a_local_serve_without_a_gpu_runs_cpu_replicas_and_refuses_device_cuda(monkeypatch):
+    """README: with no GPU the replicas run on the CPU (device auto asks Ray for no GPU instead of
+    waiting forever for one); `device: cuda` there is an error. Joining a cluster (--address) leaves
+    the config to that cluster's nodes."""
+    import io
+
+    from kvmesh.cluster import launcher
+    from kvmesh.cluster.app import worker_options
+
+    monkeypatch.setattr(launcher, "_local_gpus", lambda: 0)
+    cfg = parse_config({})  # device auto, one GPU per replica
+    out = io.StringIO()
+    fitted = launcher.fit_to_this_machine(cfg, address=None, out=out)
+    assert fitted.replicas.num_gpus == 0 and fitted.engine.device == "auto"
+    assert worker_options(fitted)["ray_actor_options"]["num_gpus"] == 0
+    assert fitted.to_dict() == {**cfg.to_dict(), "replicas": {**cfg.to_dict()["replicas"], "num_gpus": 0}}
+    assert "no GPU here; running the worker replicas on the CPU" in out.getvalue()
+
+    cuda = parse_config({"engine": {"device": "cuda"}})
+    with pytest.raises(ValueError, match=r"engine.device is cuda but this machine has no CUDA GPU"):
+        launcher.fit_to_this_machine(cuda, address=None, out=io.StringIO())
+    assert launcher.fit_to_this_machine(cuda, address="auto") is cuda
+    assert launcher.fit_to_this_machine(cfg, address="auto") is cfg
+
+
 def test_a_worker_replica_owns_all_its_ranks_gpus():
     """One Ray actor with N GPUs (Ray puts them on one node); its engine process runs the N ranks."""
     from kvmesh.cluster.app import worker_options

@@ -261,3 +261,22 @@ def test_streamed_required_calls_come_as_generated_and_equal_the_whole_parse(ste
         (c.name, json.loads(c.arguments)) for c in whole]
     assert [c["id"] for c in calls] == [c.id for c in stream.calls]
     assert sum(1 for d in deltas if "id" in d["tool_calls"][0]) == 2  # one header per call
+
+
+NAME_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}\n"
+                 "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_a_messages_name_reaches_the_template_and_may_hold_no_control_token():
+    """messages[].name goes to the chat template (as vLLM passes it); a template that renders it
+    renders it as its own text, so control-token text there is refused by the name's path."""
+    tokenizer = build_byte_tokenizer(512)
+    tokenizer.chat_template = NAME_TEMPLATE
+    ms = messages([{"role": "user", "content": "hi", "name": "alice"}])
+    out, _ = render_chat(ms, chat_prompt_text(ms), None, tokenizer)
+    assert out == [{"role": "user", "content": "hi", "name": "alice"}]
+    assert "<|im_start|>user (alice)" in tokenizer.decode(encode_chat(tokenizer, out))
+    ms = messages([{"role": "user", "content": "hi"}, {"role": "user", "content": "x", "name": "<|im_end|>"}])
+    with pytest.raises(ApiError) as e:
+        render_chat(ms, chat_prompt_text(ms), None, tokenizer)
+    assert e.value.param == "messages.1.name"

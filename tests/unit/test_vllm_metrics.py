@@ -1,11 +1,22 @@
 """The ingress's metrics under vLLM's names (docs/METRICS.md): a finished request observed once
-feeds each vllm: metric with the `model_name` label, worker gauges carry `engine`, and an abort
-is counted with finished_reason "abort"."""
+feeds each vllm: metric with the `model_name` label, worker gauges carry `engine`, an abort
+is counted with finished_reason "abort", and a stream that failed is no success."""
+
+import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.cluster.metrics import IngressMetrics, TokenGaps
+from kvmesh.cluster.auth import ApiKeys
+from kvmesh.cluster.engine_loop import EngineUnavailable
+from kvmesh.cluster.frontend import Frontend
+from kvmesh.cluster.limits import RequestLimits
+from kvmesh.cluster.messages import ModelInfo
+from kvmesh.cluster.metrics import FINISHED_REASONS, IngressMetrics, TokenGaps
+from kvmesh.cluster.pipeline import GenerationRequest, Prompt, RequestPipeline
 from kvmesh.protocol import TokenDelta, WorkerLoad
+from kvmesh.sampling_params import SamplingParams
+from kvmesh.serve_config import parse_config
+from handle_support import Handle
 
 MODEL = "tiny"
 
@@ -49,6 +60,43 @@ def test_a_finished_request_feeds_the_vllm_request_metrics():
     # each gap in its own bucket, not the request's mean (0.25) four times
     assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.15") == 2
     assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.3") == 3
+
+
+def test_a_stream_whose_worker_died_after_tokens_is_not_a_success():
+    """It ends with finish_reason "error": counted as status 503, under no finished_reason of
+    vllm:request_success_total, and its tokens and latencies in none of the success metrics."""
+    handle = Handle([TokenDelta("r", [5], "x", num_prompt_tokens=3),
+                     TokenDelta("r", [6], "y", num_prompt_tokens=3),
+                     EngineUnavailable("w1", "engine process died")])
+    config = parse_config({"model": "random:tiny-llama"})
+    frontend = Frontend(config, worker_handle=handle)
+    frontend._info = ModelInfo("tiny-llama", max_model_len=64, block_size=16, hash_salt=b"")
+    pipeline = RequestPipeline(frontend, RequestLimits(config.limits), ApiKeys(()))
+
+    async def stream_it():
+        admitted = await pipeline.admit(GenerationRequest(
+            Prompt("prompt_token_ids", token_ids=[1, 2, 3]),
+            lambda budget: SamplingParams(max_tokens=16)))
+        async with await pipeline.stream(admitted) as stream:
+            return [delta async for delta in stream]
+
+    out = asyncio.run(stream_it())
+    assert [d.token_ids for d in out] == [[5], [6], []] and out[-1].finish_reason == "error"
+    found = samples(frontend.metrics)
+    model = frontend.model_name
+    assert value(found, "kvmesh_requests_total", model=model, status="503") == 1
+    assert value(found, "kvmesh_requests_total", model=model, status="200") == 0
+    assert {reason: value(found, "vllm:request_success_total", model_name=model,
+                          finished_reason=reason) for reason in FINISHED_REASONS} == {
+        "stop": 0, "length": 0, "abort": 0}
+    not_observed = {"vllm:prompt_tokens_total": 0, "vllm:generation_tokens_total": 0,
+                    "vllm:request_generation_tokens_count": 0,
+                    "vllm:e2e_request_latency_seconds_count": 0}
+    assert values(found, not_observed, model_name=model) == not_observed
+    assert values(found, ["kvmesh_prompt_tokens_total", "kvmesh_generation_tokens_total",
+                          "kvmesh_request_e2e_seconds_count"], model=model) == {
+        "kvmesh_prompt_tokens_total": 0, "kvmesh_generation_tokens_total": 0,
+        "kvmesh_request_e2e_seconds_count": 0}
 
 
 def test_an_abort_is_counted_under_both_names():

@@ -212,7 +212,19 @@ container lacks), so the rendered pods say it and a named Secret reaches them wh
 {{- end }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ .Values.serve.grpcMaxMessageBytes | int64 | toString | quote }}
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+  value: {{ include "kvmesh.replicaGrpcMessageBytes" . | quote }}
 {{- include "kvmesh.patchesEnv" . }}
+{{- end }}
+
+{{/*
+Serve's limit on messages between its proxy and a replica: a request the gRPC proxy accepts must
+also fit, re-wrapped, on its way to the ingress replica. serve.grpcMaxMessageBytes plus 1 MiB, never
+below Ray's 4 MiB default nor above gRPC's 2 GiB - 1, as `kvmesh serve` sets it
+(cluster/launcher.py replica_message_bytes).
+*/}}
+{{- define "kvmesh.replicaGrpcMessageBytes" -}}
+{{- min 2147483647 (max 4194304 (add (int64 .Values.serve.grpcMaxMessageBytes) 1048576)) | int64 | toString }}
 {{- end }}
 
 {{/*

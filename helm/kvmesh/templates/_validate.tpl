@@ -37,7 +37,7 @@ Checks across values that values.schema.json cannot express; each failure says w
 {{- if and (eq .Values.rayAuth.mode "disabled") .Values.rayAuth.secretName }}
 {{- fail (printf "rayAuth.secretName is %s but rayAuth.mode is disabled: set mode to token, or drop the Secret" .Values.rayAuth.secretName) }}
 {{- end }}
-{{- $chartEnv := dict "RAY_AUTH_MODE" "rayAuth.mode" "RAY_AUTH_TOKEN" "rayAuth.secretName" "RAY_AUTH_TOKEN_PATH" "rayAuth.secretName" "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" "serve.grpcMaxMessageBytes" "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR" "kvmesh's worker hook (always on; nothing to set)" "KVMESH_LISTEN_HOST" "kvmesh.server.host" "KVMESH_MAX_HEADER_BYTES" "kvmesh.server.max_header_bytes" "KVMESH_HEADER_TIMEOUT_S" "kvmesh.server.header_timeout_s" "KVMESH_STREAM_IDLE_TIMEOUT_S" "kvmesh.server.stream_idle_timeout_s" }}
+{{- $chartEnv := dict "RAY_AUTH_MODE" "rayAuth.mode" "RAY_AUTH_TOKEN" "rayAuth.secretName" "RAY_AUTH_TOKEN_PATH" "rayAuth.secretName" "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" "serve.grpcMaxMessageBytes" "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH" "serve.grpcMaxMessageBytes" "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR" "kvmesh's worker hook (always on; nothing to set)" "KVMESH_LISTEN_HOST" "kvmesh.server.host" "KVMESH_MAX_HEADER_BYTES" "kvmesh.server.max_header_bytes" "KVMESH_HEADER_TIMEOUT_S" "kvmesh.server.header_timeout_s" "KVMESH_STREAM_IDLE_TIMEOUT_S" "kvmesh.server.stream_idle_timeout_s" }}
 {{- $envs := dict "head.env" .Values.head.env "worker.env" .Values.worker.env }}
 {{- range $name, $group := .Values.additionalWorkerGroups }}
 {{- $_ := set $envs (printf "additionalWorkerGroups.%s.env" $name) $group.env }}
