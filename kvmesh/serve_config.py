@@ -129,7 +129,7 @@ class LimitsSection(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens; null = the model's max_model_len minus 1.")
     max_output_tokens: int | None = Field(None, ge=1, description="Largest max_tokens a request may ask for, and the default when it asks for none; null = the context left after the prompt.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest HTTP request body in bytes; beyond it 413.")
-    max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (all message contents of a chat), refused with 400 before it is tokenized; null = 32 x the prompt token limit.")
+    max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (all message contents of a chat), refused with 400 before it is tokenized; null = 32 x limits.max_prompt_tokens when set, else 32 x the model's max_model_len.")
 
 
 class ServeConfig(_Strict):

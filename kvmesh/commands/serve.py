@@ -108,6 +108,29 @@ def run_serve(args) -> int:
 
 
 def run_client(args) -> int:
+    """Stream one answer to stdout; a refusal (HTTP status or gRPC code) is one line on stderr
+    with the server's message, exit status 1."""
+    import json
+    import urllib.error
+
+    import grpc
+
+    try:
+        return _stream_client(args)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        print(f"kvmesh client: HTTP {e.code}: {message}", file=sys.stderr)
+    except urllib.error.URLError as e:
+        print(f"kvmesh client: cannot reach {args.url}: {e.reason}", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"kvmesh client: gRPC {e.code().name}: {e.details()}", file=sys.stderr)
+    return 1
+
+
+def _stream_client(args) -> int:
     from kvmesh.cluster.client import grpc_stream, http_stream
 
     import os

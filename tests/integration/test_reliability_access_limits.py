@@ -57,6 +57,31 @@ def completion(cluster, body, key=CLI_KEY, **kw):
 
 # ---- access ------------------------------------------------------------------------------------
 
+def run_client(cluster, *args, key=None):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
+    if key is not None:
+        env["KVMESH_API_KEY"] = key
+    return subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", "hi", "--max-tokens", "3",
+                           "--url", cluster.http_url + "/v1", "--target", cluster.grpc_target, *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("api", [(), ("--grpc",)])
+def test_kvmesh_client_streams_with_a_key_from_the_flag_or_the_environment(cluster, api):
+    """README's `kvmesh client` (HTTP and --grpc): the key from --api-key or $KVMESH_API_KEY; without
+    one, the server's refusal in one line and exit status 1, no traceback."""
+    for out in (run_client(cluster, *api, "--api-key", CLI_KEY), run_client(cluster, *api, key=ENV_KEY)):
+        assert out.returncode == 0, out.stderr
+        assert "finish_reason=" in out.stderr and "'completion_tokens': " in out.stderr, out.stderr
+        assert "finish_reason=error" not in out.stderr
+    refused = run_client(cluster, *api)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert ("HTTP 401" if not api else "gRPC UNAUTHENTICATED") in refused.stderr, refused.stderr
+
+
 def test_openai_client_needs_a_key_and_either_key_works(cluster):
     import openai
 

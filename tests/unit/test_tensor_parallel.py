@@ -101,6 +101,13 @@ def test_kv_heads_neither_divisible_nor_a_divisor_are_refused():
         check_tensor_parallel(config, 2, torch.device("cpu"), torch_compile=False)
 
 
+def test_an_intermediate_size_the_ranks_cannot_split_is_refused():
+    config = dataclasses.replace(model_config_for("random:tiny-qwen3"), num_heads=4, num_kv_heads=2,
+                                 intermediate_size=121)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 must divide the model's intermediate_size 121"):
+        check_tensor_parallel(config, 2, torch.device("cpu"), torch_compile=False)
+
+
 def test_more_ranks_than_gpus_is_refused():
     available = torch.cuda.device_count()
     size = 2 * max(2, available)  # 4 heads on the CPU machine: a size the heads allow
