@@ -62,6 +62,29 @@ def test_a_finished_request_feeds_the_vllm_request_metrics():
     assert value(found, "vllm:inter_token_latency_seconds_bucket", model_name=MODEL, le="0.3") == 3
 
 
+def test_the_kvmesh_request_histograms_observe_ttft_tpot_e2e_in_the_documented_buckets():
+    """docs/METRICS.md: TTFT = first token - arrival, TPOT = (end - first) / (tokens - 1), not
+    observed for one-token requests, E2E = end - arrival; buckets 5 ms-60 s and 1 ms-2.5 s."""
+    m = IngressMetrics()
+    m.init_model(MODEL)
+    m.observe_request(MODEL, arrival=10.0, first_token=10.5, end=12.5, prompt_tokens=7, output_tokens=5,
+                      cached_tokens=0)
+    m.observe_request(MODEL, arrival=20.0, first_token=20.25, end=20.25, prompt_tokens=7, output_tokens=1,
+                      cached_tokens=0)
+    found = samples(m)
+    expected = {"kvmesh_request_ttft_seconds_sum": 0.75, "kvmesh_request_ttft_seconds_count": 2,
+                "kvmesh_request_tpot_seconds_sum": 0.5, "kvmesh_request_tpot_seconds_count": 1,
+                "kvmesh_request_e2e_seconds_sum": 2.75, "kvmesh_request_e2e_seconds_count": 2}
+    assert values(found, expected, model=MODEL) == expected
+    for name, low, high in (("kvmesh_request_ttft_seconds", "0.005", "60.0"),
+                            ("kvmesh_request_e2e_seconds", "0.005", "60.0"),
+                            ("kvmesh_request_tpot_seconds", "0.001", "2.5")):
+        bounds = [labels["le"] for (sample, labels_key), _ in found.items() if sample == name + "_bucket"
+                  for labels in [dict(labels_key)] if labels.get("model") == MODEL]
+        finite = sorted((b for b in bounds if b != "+Inf"), key=float)
+        assert (finite[0], finite[-1]) == (low, high), (name, finite)
+
+
 def test_a_stream_whose_worker_died_after_tokens_is_not_a_success():
     """It ends with finish_reason "error": counted as status 503, under no finished_reason of
     vllm:request_success_total, and its tokens and latencies in none of the success metrics."""
