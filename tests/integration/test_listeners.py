@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import grpc
 import psutil
@@ -180,3 +181,30 @@ def test_reflection_v1_is_served_beside_v1alpha(cluster):
     assert {"kvmesh.v1.Generation", "grpc.health.v1.Health",
             "grpc.reflection.v1.ServerReflection"} <= services
     assert answers[1].file_descriptor_response.file_descriptor_proto  # the service's .proto
+
+
+def test_ctrl_c_stops_the_whole_tree_cleanly(cluster):
+    """docs/DEPLOY.md: Ctrl-C (SIGINT) deletes the app, ends the hub and stops Ray: `kvmesh serve`
+    exits 0 by itself (LocalCluster would SIGKILL its session after 60 s) and leaves no process of
+    its tree. Runs last in this module: it stops the module's cluster."""
+    tree = [cluster.proc.pid] + [p.pid for p in psutil.Process(cluster.proc.pid).children(recursive=True)]
+    assert len(tree) > 3  # Ray's GCS, raylet, Serve's controller, proxies and replicas
+    cluster.stop(timeout_s=60)
+    assert cluster.proc.returncode == 0, cluster.log()[-3000:]
+    deadline = time.monotonic() + 30  # Ray's own processes end just after the driver
+    while (alive := running(tree)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, alive
+
+
+def running(pids: list[int]) -> list[str]:
+    """The command lines of those of `pids` still running (not exited, not a zombie)."""
+    out = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} " + " ".join(proc.cmdline())[:100])
+        except psutil.Error:
+            pass  # gone
+    return out
