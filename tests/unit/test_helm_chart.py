@@ -29,6 +29,20 @@ def test_default_render_has_rayservice_and_api_services():
     assert kinds == [("RayService", "demo-kvmesh"), ("Service", "demo-kvmesh-grpc"), ("Service", "demo-kvmesh-http")]
 
 
+def test_no_service_exposes_the_direct_http_port():
+    """docs/SERVING.md: the ingress replicas' own HTTP port (server.direct_http_port) is for the
+    pods' network only; the chart's Services carry the proxy's ports alone."""
+    port = 8123
+    objects = manifests({"kvmesh": {"server": {"direct_http_port": port}},
+                         "metrics": {"serviceMonitor": {"enabled": True}}})
+    assert f"direct_http_port: {port}" in one(objects, "RayService")["spec"]["serveConfigV2"]  # it is on
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert len(services) >= 2
+    for service in services:
+        ports = {p.get("port") for p in service["spec"]["ports"]} | {p.get("targetPort") for p in service["spec"]["ports"]}
+        assert port not in ports, service["metadata"]["name"]
+
+
 def test_default_upgrade_strategy_is_new_cluster():
     """A spec change brings up a new RayCluster and switches traffic once it serves (docs/DEPLOY.md)."""
     assert one(manifests(), "RayService")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
