@@ -152,6 +152,14 @@ def test_an_assistant_message_sent_back_with_empty_fields_is_accepted():
     assert req.messages[1].name == "bot"
 
 
+def test_best_of_with_stream_is_accepted_only_when_it_equals_n():
+    """docs/SERVING.md: streaming cannot pick the best of more sequences than it returns."""
+    parse_request(body(COMPLETION, n=2, best_of=2, stream=True), CLS[COMPLETION])
+    with pytest.raises(ApiError) as e:
+        parse_request(body(COMPLETION, n=2, best_of=3, stream=True), CLS[COMPLETION])
+    assert e.value.param == "best_of"
+
+
 def test_a_request_holds_at_most_64_prompts():
     from kvmesh.cluster.ingress import MAX_PROMPTS_PER_REQUEST, _prompts
 
