@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 from kvmesh.hashing import hash_array
 from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
@@ -107,23 +108,30 @@ class RoutingState:
              candidates: list[str], avoid: list[str] | tuple = ()) -> list[str]:
         """Candidates in the policy's order of preference (every candidate appears once); stale
         or stalled workers after the others, and last the ones in `avoid` (whose engine died under
-        this very request: the router's view of them may not show it yet). The first choice's load
-        counts the request until that worker's next report (Router.count_routed)."""
+        this very request: the router's view of them may not show it yet). Those, and workers
+        that are not candidates, are out of the policy's choice, so what the choice leaves behind
+        (the request's count in the first worker's load until its next report, Router.count_routed;
+        kv_events' record of the prefix in flight) lands on the worker that is really first."""
+        stale = self.stale_workers()
+        avoid = set(avoid)
+        candidate_set = set(candidates)
         with self._lock:
             for wid in candidates:
                 if wid not in self.router.workers:
                     self.router.add_worker(wid)  # running but not heard from yet: no cache
+            out = stale | avoid
+            if len(self.router.workers) != len(candidate_set):
+                out |= {w for w in self.router.workers.ids if w not in candidate_set}
             block_hashes = hash_array(block_hashes)  # once, for the route and its count
-            ranked = self.router.route(block_hashes, num_prompt_tokens, session_key=session_key)
-            if ranked:
-                self.router.count_routed(ranked[0], block_hashes, num_prompt_tokens)
-        candidate_set = set(candidates)
-        order = [w for w in ranked if w in candidate_set]
-        seen = set(order)
-        order += [w for w in candidates if w not in seen]
-        for last in (self.stale_workers(), set(avoid)):
-            if last:
-                order = [w for w in order if w not in last] + [w for w in order if w in last]
+            with _out_of_choice(self.router, out):
+                ranked = self.router.route(block_hashes, num_prompt_tokens, session_key=session_key)
+            seen = set(ranked)
+            order = ranked + [w for w in candidates if w not in seen]
+            for last in (stale, avoid):
+                if last:
+                    order = [w for w in order if w not in last] + [w for w in order if w in last]
+            if order:
+                self.router.count_routed(order[0], block_hashes, num_prompt_tokens)
         return order
 
     def stale_workers(self, now: float | None = None) -> set[str]:
@@ -141,3 +149,16 @@ class RoutingState:
         it since."""
         with self._lock:
             return {s.worker_id: s.load for s in self.router.workers}
+
+
+@contextmanager
+def _out_of_choice(router: Router, worker_ids: set[str]):
+    """Workers marked unhealthy for one route (policies never return those), then as they were."""
+    flipped = [w for w in worker_ids if (state := router.workers.get(w)) is not None and state.healthy]
+    for w in flipped:
+        router.set_healthy(w, False)
+    try:
+        yield
+    finally:
+        for w in flipped:
+            router.set_healthy(w, True)

@@ -4,7 +4,7 @@ affinity kept sending new requests to a stalled replica, where they waited until
 
 import pytest
 
-from kvmesh.hashing import block_hashes
+from kvmesh.hashing import block_hashes, hash_array
 from kvmesh.protocol import KVSnapshot, WorkerLoad
 from kvmesh.router.event_log import EventLog
 from kvmesh.router.routing_state import RoutingState
@@ -92,3 +92,38 @@ def test_with_silence_unmeasured_only_a_stalled_report_demotes():
 def test_a_stale_limit_must_be_positive(bad):
     with pytest.raises(ValueError, match="stale_load_s must be > 0"):
         RoutingState("kv_events", 16, stale_load_s=bad)
+
+
+@pytest.mark.parametrize("why", ["stale", "avoid", "not a candidate"])
+def test_what_a_route_leaves_behind_lands_on_the_worker_really_first(why):
+    """The request's count in a load (until the next report) and kv_events' record of the prefix
+    in flight go to the worker the answer puts first, not to the holder it puts last."""
+    clock = {"now": 100.0}
+    log = EventLog()
+    log.publish_snapshot(KVSnapshot("holder", 1, 0, HASHES[:2], 16))  # half the prompt cached
+    log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
+    state = RoutingState("kv_events", 16, clock=lambda: clock["now"], stale_load_s=3.0)
+
+    def report(t, workers):
+        for w in workers:
+            log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t))
+        state.apply(log.poll(state.instance, state.cursor))
+
+    report(1.0, ["holder", "other"])
+    candidates, avoid = ["holder", "other"], ()
+    if why == "stale":
+        for i in range(2, 6):
+            clock["now"] += 1.0
+            report(float(i), ["other"])
+    elif why == "avoid":
+        avoid = ("holder",)
+    else:
+        candidates = ["other"]
+    order = state.rank(HASHES, len(PROMPT), None, candidates, avoid)
+    assert order[0] == "other"
+    loads = state.loads()
+    assert (loads["other"].waiting, loads["holder"].waiting) == (1, 0)
+    assert loads["other"].waiting_prefill_tokens == len(PROMPT)  # nothing of it cached there
+    worker, blocks = state.router.policy.pending.continuation(hash_array(HASHES), 0)
+    assert worker == "other" and blocks == len(HASHES)
+    assert state.router.workers.get("holder").healthy  # only out of that one choice
