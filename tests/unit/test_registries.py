@@ -60,6 +60,16 @@ def test_policy_defaults_are_the_constructor_options():
     assert policy_defaults("round_robin") == {}
     kv_events = policy_defaults("kv_events")
     assert kv_events["temperature"] == 0.0 and "index" not in kv_events and "seed" not in kv_events
+    assert kv_events["pending_requests"] == 4096  # docs/ROUTING.md: the last 4,096 routed requests
+
+
+def test_kv_events_cost_weights_are_the_documented_formula():
+    """docs/ROUTING.md's cost formula and hysteresis, term by term."""
+    from kvmesh.router.cost import CostWeights
+
+    assert dataclasses.asdict(CostWeights()) == {
+        "prefill": 2.0, "queued_prefill": 1.0, "running_decode": 0.05, "kv_pressure": 512.0,
+        "outstanding": 256.0, "stay_margin": 8192.0, "stay_min_cached": 0.5, "in_flight": 1.0}
 
 
 # ---- attention backends ------------------------------------------------------------------------

@@ -42,6 +42,19 @@ def test_every_policy_skips_unhealthy_and_puts_full_workers_last(name):
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
+def test_full_workers_come_last_least_outstanding_first(name):
+    """docs/ROUTING.md: the spill-over, when every eligible worker is ranked, is the full workers by
+    outstanding requests, fewest first; with none eligible it is all there is."""
+    for loads in ((0, 7, 5, 0), (9, 7, 5, 8)):  # w1, w2 full (cap 4); then every worker full
+        ws = workers(*loads, cap=4)
+        full = sorted((w for w, n in zip(["w0", "w1", "w2", "w3"], loads) if n >= 4),
+                      key=lambda w: loads[int(w[1])])
+        for _ in range(4):
+            ranked = policy(name).rank(REQ, ws)
+            assert ranked[-len(full):] == full, (loads, ranked)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_every_policy_returns_nothing_when_no_worker_is_healthy(name):
     assert policy(name).rank(REQ, workers(0, 0, unhealthy=("w0", "w1"))) == []
 

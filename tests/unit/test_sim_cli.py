@@ -18,6 +18,9 @@ def test_json_has_every_policy_and_the_config(capsys):
     assert list(report["policies"]) == list(POLICY_NAMES)
     assert report["config"]["workers"] == 2 and report["config"]["requests"] == 40
     assert report["policies"]["kv_events"]["requests"] == 40
+    # docs/ROUTING.md's defaults of the knobs SMALL leaves alone
+    assert {k: report["config"].get(k) for k in ("max_batch", "max_batched_tokens", "cap")} == {
+        "max_batch": 128, "max_batched_tokens": 8192, "cap": 256}, report["config"]
 
 
 def test_table_and_plot(capsys, tmp_path):
