@@ -90,6 +90,21 @@ def test_a_worker_first_seen_mid_stream_needs_a_snapshot():
     assert index.overlap(H) == {"a": 2}
 
 
+def test_up_to_1024_batches_wait_for_a_snapshot_and_the_rest_ask_for_another():
+    """docs/ROUTING.md: after a gap the index keeps 1,024 batches (the one that showed it and those
+    after) to replay past the snapshot; a batch beyond them is a gap again."""
+    hashes = block_hashes(list(range(1200 * B)), B)
+    index = KVIndex()
+    index.apply(batch("a", 0, stored(hashes[:1])))
+    assert not index.apply(batch("a", 2, stored(hashes[2:3])))  # seq 1 lost
+    for seq in range(3, 1100):
+        assert index.apply(batch("a", seq, stored(hashes[seq:seq + 1])))  # buffered, no second ask
+    assert index.apply_snapshot(KVSnapshot(worker_id="a", epoch=0, seq=1, block_hashes=hashes[:2]))
+    assert index.worker_blocks("a") == set(hashes[:1026])  # the snapshot, then seqs 2..1025
+    assert not index.apply(batch("a", 1100, stored(hashes[1100:1101])))  # 1026.. were not kept
+    assert index.awaiting_snapshot("a")
+
+
 def test_a_snapshot_that_leaves_a_gap_asks_again():
     index = KVIndex()
     index.apply(batch("a", 0, stored(H[:1])))

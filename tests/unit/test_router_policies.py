@@ -145,6 +145,19 @@ def test_prefix_approx_sends_a_repeated_prefix_where_it_sent_it_before():
     assert p.rank(other, ws)[0] != first  # no match: least loaded
 
 
+def test_prefix_approx_follows_a_match_of_at_least_half_the_prompt_by_default():
+    """docs/ROUTING.md: the best match if it covers >= 50% of the prompt, else least loaded."""
+    for shared_blocks, follows in ((6, True), (4, False)):  # of 10 blocks
+        p = policy("prefix_approx")
+        ws = workers(0, 0, 0, 0)
+        first = p.rank(REQ, ws)[0]
+        for w in ws:
+            w.load.running = 1 if w.worker_id == first else 0  # its earlier request, in flight
+        prompt = PROMPT[:shared_blocks * B] + [7] * ((10 - shared_blocks) * B)
+        other = RouteRequest(block_hashes(prompt, B), len(prompt))
+        assert (p.rank(other, ws)[0] == first) is follows, shared_blocks
+
+
 def test_prefix_approx_balances_when_load_is_imbalanced():
     p = policy("prefix_approx", balance_abs=4, balance_rel=1.5)
     ws = workers(0, 0)
@@ -340,6 +353,13 @@ def test_kv_events_breaks_ties_at_random():
     p = policy("kv_events", pending_requests=0)  # else the repeated prompt follows the first, in flight
     firsts = collections.Counter(p.rank(REQ, workers(0, 0, 0, 0))[0] for _ in range(400))
     assert set(firsts) == {"w0", "w1", "w2", "w3"}
+
+
+def test_least_loaded_breaks_ties_at_random():
+    """docs/ROUTING.md: fewest outstanding, then fewest queued prefill tokens; ties random."""
+    p = policy("least_loaded")
+    firsts = collections.Counter(p.rank(REQ, workers(3, 1, 1, 1))[0] for _ in range(400))
+    assert set(firsts) == {"w1", "w2", "w3"}
 
 
 def test_kv_events_temperature_spreads_the_first_choice():

@@ -95,3 +95,10 @@ def test_kv_events_keeps_every_conversation_on_its_worker_and_hits_at_least_as_o
     kv, pa = report["policies"]["kv_events"], report["policies"]["prefix_approx"]
     assert kv["hit_rate"] >= pa["hit_rate"]
     assert kv["ttft_p99_s"] <= pa["ttft_p99_s"]
+
+
+def test_prefix_approx_remembers_at_most_a_pool_of_blocks_per_worker():
+    """docs/ROUTING.md: in the simulator prefix_approx's per-worker history bound is the pool size."""
+    report = run("tenants", ["prefix_approx"], CONFIG, num_requests=200, load=0.5,
+                 workload_options=TENANTS, keep_results=True)
+    assert report["results"]["prefix_approx"].router.policy.max_blocks_per_worker == CONFIG.blocks_per_worker
