@@ -36,3 +36,18 @@ def test_the_decisions_benchmark_runs_with_the_routing_settings_unless_asked_not
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_kvmesh_sim_runs_with_the_routing_settings():
+    """docs/ROUTING.md: `kvmesh sim` tunes its collector as a routing process does (thresholds
+    100,000 / 50 / 100, the heap frozen)."""
+    from kvmesh.cli import main
+
+    before = gc.get_threshold()
+    try:
+        assert main(["sim", "--workers", "2", "--requests", "20", "--no-progress",
+                     "--policy", "round_robin", "--json"]) == 0
+        assert gc.get_threshold() == ROUTING_GC_THRESHOLDS == (100_000, 50, 100)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -186,3 +186,12 @@ def test_the_copies_hear_loads_on_simulated_time_and_never_go_stale():
     for state in copies.copies:
         assert state.router.worker_state("w0").reported_at == pytest.approx(0.05)
         assert state.stale_workers(now=1e9) == set()  # silence is not measured in a simulation
+
+
+def test_a_worker_at_the_cap_passes_the_request_to_the_next_in_the_copy_s_order():
+    """docs/ROUTING.md: Serve's spill-over at --cap (a replica at max_ongoing_requests rejects,
+    the next in the copy's order is tried), though round robin puts w0 first every other time."""
+    pool = workers()
+    copies = RouterCopies(dataclasses.replace(CONFIG, router_copies=1, cap=1), "round_robin", pool)
+    pool[0].submit(Job(request=sim_request(1), arrival=0.0), 0.0)  # w0 at the cap, unreported
+    assert [copies.route([], 100, None, now=0.0)[0] for _ in range(2)] == ["w1", "w1"]
