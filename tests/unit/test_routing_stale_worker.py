@@ -13,10 +13,12 @@ PROMPT = list(range(64))
 HASHES = block_hashes(PROMPT, 16)
 
 
-def test_a_worker_whose_load_stops_changing_is_ranked_last():
+def _stale_setup(holder_hashes):
+    """A holder of `holder_hashes` and an empty "other", a clock the test moves, and `report(t,
+    workers)` that sends those workers' loads stamped t and applies them."""
     clock = {"now": 100.0}
     log = EventLog()
-    log.publish_snapshot(KVSnapshot("holder", 1, 0, HASHES, 16))  # holds the whole prefix
+    log.publish_snapshot(KVSnapshot("holder", 1, 0, holder_hashes, 16))
     log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
     state = RoutingState("kv_events", 16, clock=lambda: clock["now"], stale_load_s=3.0)
 
@@ -25,6 +27,11 @@ def test_a_worker_whose_load_stops_changing_is_ranked_last():
             log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t))
         state.apply(log.poll(state.instance, state.cursor))
 
+    return clock, state, report
+
+
+def test_a_worker_whose_load_stops_changing_is_ranked_last():
+    clock, state, report = _stale_setup(HASHES)  # the holder holds the whole prefix
     report(1.0, ["holder", "other"])
     assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"])[0] == "holder"
     # "other" keeps reporting, "holder" goes silent
@@ -98,17 +105,7 @@ def test_a_stale_limit_must_be_positive(bad):
 def test_what_a_route_leaves_behind_lands_on_the_worker_really_first(why):
     """The request's count in a load (until the next report) and kv_events' record of the prefix
     in flight go to the worker the answer puts first, not to the holder it puts last."""
-    clock = {"now": 100.0}
-    log = EventLog()
-    log.publish_snapshot(KVSnapshot("holder", 1, 0, HASHES[:2], 16))  # half the prompt cached
-    log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
-    state = RoutingState("kv_events", 16, clock=lambda: clock["now"], stale_load_s=3.0)
-
-    def report(t, workers):
-        for w in workers:
-            log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t))
-        state.apply(log.poll(state.instance, state.cursor))
-
+    clock, state, report = _stale_setup(HASHES[:2])  # half the prompt cached
     report(1.0, ["holder", "other"])
     candidates, avoid = ["holder", "other"], ()
     if why == "stale":
