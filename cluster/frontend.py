@@ -83,8 +83,10 @@ class Frontend:
                        f"{type(error).__name__}", type="server_error", code="worker_failed",
                        retry_after_s=1)
 
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.model_aliases:
+    def check_model(self, model: str | None, required: bool = False) -> None:
+        """404 unless `model` names the served model or an alias (a request may leave it out
+        unless `required`)."""
+        if (model or required) and model not in self.model_aliases:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 

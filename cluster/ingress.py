@@ -232,6 +232,7 @@ class Ingress(GrpcService, HealthService):
         self.api_keys = ApiKeys.from_server_config(self.config.server)
         self.limits = RequestLimits(self.config.limits)
         self.pipeline = RequestPipeline(self.frontend, self.limits, self.api_keys)
+        self.created = int(time.time())  # the model cards' `created`: when this replica started
         process_metrics.register(self.frontend.metrics.registry)
         if self.config.server.direct_http_port:  # the same app on this replica's own server
             from kvmesh.cluster.direct_http import serve_direct, shared_socket
@@ -263,10 +264,26 @@ class Ingress(GrpcService, HealthService):
     async def models(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
+        try:
+            return {"object": "list", "data": [await self._model_card()]}
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        """OpenAI's retrieve: the served model's card under its name or an alias, else 404."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        try:
+            self.frontend.check_model(model_id, required=True)
+            return await self._model_card()
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
+    async def _model_card(self) -> dict:
         info = await self.frontend.model_info()
-        return {"object": "list", "data": [{
-            "id": self.frontend.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
-            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
+        return {"id": self.frontend.model_name, "object": "model", "created": self.created,
+                "owned_by": "kvmesh", "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
 
     @app.get("/version")
     async def version(self, request: Request):

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from kvmesh.bench.soak import scrape
@@ -111,6 +112,18 @@ def test_models_health_and_grpc_info(cluster, openai_client):
         assert json.load(resp) == {"status": "ok", "workers": 2}
     assert grpc_call(cluster.grpc_target, "Health").num_workers == 2
     assert [m.id for m in grpc_call(cluster.grpc_target, "ListModels").models] == [MODEL]
+
+
+def test_a_model_is_retrieved_by_its_name_and_an_unknown_one_is_a_404(openai_client):
+    """OpenAI's models.retrieve (GET /v1/models/{id}): the served model's card, dated when the
+    ingress started (not 1970); another name is model_not_found."""
+    card = openai_client.models.retrieve(MODEL)
+    assert (card.id, card.owned_by) == (MODEL, "kvmesh")
+    assert time.time() - 3600 < card.created <= time.time()
+    assert card.created == openai_client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError) as e:
+        openai_client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and "no-such-model" in e.value.body["message"]
 
 
 # ---- routing ------------------------------------------------------------------------------------

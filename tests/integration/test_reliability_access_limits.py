@@ -92,6 +92,8 @@ def test_openai_client_needs_a_key_and_either_key_works(cluster):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.list()
+    with pytest.raises(openai.AuthenticationError):  # before the name is checked
+        anonymous.models.retrieve(MODEL)
     for key in (CLI_KEY, ENV_KEY):
         client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=key, max_retries=0)
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
@@ -102,6 +104,7 @@ def test_openai_client_needs_a_key_and_either_key_works(cluster):
                                                 extra_body={"ignore_eos": True}))
         assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
         assert [m.id for m in client.models.list().data] == [MODEL]
+        assert client.models.retrieve(MODEL).id == MODEL
 
 
 def test_no_header_or_another_scheme_is_refused(cluster):
