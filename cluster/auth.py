@@ -24,8 +24,16 @@ UNAUTHORIZED_MESSAGE = "invalid or missing API key (send Authorization: Bearer <
 
 
 def keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
-    raw = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    return [k for k in re.split(r"[,\s]+", raw) if k]
+    """The keys of KVMESH_API_KEYS; a variable that is set but holds none (an empty Secret) is an
+    error, not a server without authentication."""
+    raw = (os.environ if environ is None else environ).get(ENV_VAR)
+    if raw is None:
+        return []
+    keys = [k for k in re.split(r"[,\s]+", raw) if k]
+    if not keys:
+        raise ValueError(f"{ENV_VAR} is set but holds no key (comma- or newline-separated); unset it "
+                         f"to serve without authentication")
+    return keys
 
 
 class ApiKeys:

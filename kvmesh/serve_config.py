@@ -122,6 +122,17 @@ class ServerSection(_Strict):
     grpc_max_message_bytes: int = Field(4_194_304, ge=1024, le=2_147_483_647, description="Largest gRPC request message in bytes on Serve's gRPC proxy; beyond it the call fails with RESOURCE_EXHAUSTED before it reaches the ingress.")
     grpc_reflection: bool = Field(False, description="Serve gRPC server reflection on the gRPC proxy (it answers without an API key).")
 
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        # An empty key (`--api-key "$UNSET"`) would otherwise leave the server open without a word.
+        for i, key in enumerate(keys):
+            if not key or any(c.isspace() for c in key):
+                raise ValueError(f"api_keys[{i}] is {'empty' if not key else 'a key with whitespace'}: "
+                                 f"a key must be non-empty and hold no whitespace (no keys at all = "
+                                 f"no authentication)")
+        return keys
+
 
 class LimitsSection(_Strict):
     """Per-request limits the ingress enforces before a request reaches a worker (see cluster/limits.py)."""
@@ -210,8 +221,9 @@ def format_errors(e: ValidationError) -> str:
         where = ".".join(str(p) for p in err["loc"]) or "config"
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown key {where!r}")
-        else:
-            parts.append(f"{where}: {err['msg']}")
+        else:  # a validator's own ValueError without pydantic's "Value error, " in front
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}")
     return "invalid serving config: " + "; ".join(parts)
 
 

@@ -59,7 +59,20 @@ def test_keys_from_the_config_and_the_environment_add_up():
     assert len(keys) == 4 and keys.protect_health and not keys.protect_metrics
     for k in ("from-config", "env-a", "env-b", "env-c"):
         assert keys.allows("api", f"Bearer {k}")
-    assert keys_from_env({}) == [] and keys_from_env({"KVMESH_API_KEYS": " , "}) == []
+    assert keys_from_env({}) == []
+
+
+@pytest.mark.parametrize("raw", ["", " , ", "\n"])
+def test_a_set_keys_variable_without_a_key_is_refused(raw):
+    """An empty Secret must not turn authentication off without a word."""
+    with pytest.raises(ValueError, match="KVMESH_API_KEYS is set but holds no key"):
+        keys_from_env({"KVMESH_API_KEYS": raw})
+
+
+@pytest.mark.parametrize("key, what", [("", "empty"), (" sk-a", "whitespace"), ("sk a", "whitespace")])
+def test_an_empty_or_spaced_key_in_the_config_is_refused(key, what):
+    with pytest.raises(ValueError, match=rf"server\.api_keys: .*api_keys\[1\] is .*{what}"):
+        parse_config({"server": {"api_keys": ["sk-ok", key]}})
 
 
 def test_repr_never_shows_a_key():
