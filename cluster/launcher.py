@@ -13,6 +13,7 @@ runtime_env carries the same hook and settings to the Serve processes it starts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -109,6 +110,39 @@ def start_ray(cfg: ServeConfig, address: str | None, out=sys.stdout) -> str:
     return ray.get_runtime_context().gcs_address
 
 
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[^:]*: ")
+
+
+class DeployError(RuntimeError):
+    """Serve could not start the application; the message holds each failed deployment's reason."""
+
+
+def deployment_failures(app_name: str, max_chars: int = 2000) -> str:
+    """Why each deployment of the app that is not healthy failed, from Serve's status (the last line
+    of each replica's error: the exception), or "" when Serve cannot say."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:
+        return ""
+    if app is None:
+        return ""
+    reasons = []
+    for name, dep in app.deployments.items():
+        if dep.status == "HEALTHY":  # DeploymentStatus is a str enum
+            continue
+        lines = [line.strip() for line in (dep.message or "").strip().splitlines() if line.strip()]
+        if not lines:
+            continue
+        # from the last line that starts an exception ("ValueError: ..."), which may run on
+        # over several lines (transformers' messages do), to the end
+        starts = [i for i, line in enumerate(lines) if EXCEPTION_LINE.match(line)]
+        reason = " ".join(lines[starts[-1]:] if starts else lines[-1:])
+        reasons.append(f"{name}: {reason[:max_chars]}")
+    return "; ".join(reasons)
+
+
 def deploy(cfg: ServeConfig) -> dict[str, str]:
     """Start Serve's proxies and deploy the app; returns the endpoints."""
     from ray import serve
@@ -125,8 +159,11 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
     serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port,
                                          keep_alive_timeout_s=cfg.server.keep_alive_timeout_s),
                 grpc_options=grpc)
-    serve.run(build_app(cfg.to_dict()), name=cfg.app_name, route_prefix=cfg.route_prefix,
-              blocking=False)
+    try:
+        serve.run(build_app(cfg.to_dict()), name=cfg.app_name, route_prefix=cfg.route_prefix,
+                  blocking=False)
+    except RuntimeError as e:  # Serve's message names the deployments, not why they failed
+        raise DeployError(f"{e} {deployment_failures(cfg.app_name)}".strip()) from None
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     prefix = cfg.route_prefix.rstrip("/")
     endpoints = {"http": f"http://{host}:{cfg.server.http_port}{prefix}/v1"}
@@ -186,8 +223,30 @@ def _local_gpus() -> int:
         return 0
 
 
+def check_model_here(cfg: ServeConfig) -> None:
+    """A local cluster's replicas load the model from this machine: a --model that names nothing
+    loadable, or a checkpoint of an architecture or a config the engine does not support, is an
+    error here, before Ray starts (ValueError naming `model` or the config field), not a deployment
+    that fails in a replica a minute later. Converts the default model once, for the replicas to
+    find in the cache."""
+    from kvmesh.worker.loader import load_hf_config, load_tokenizer_for, resolve_model
+    from kvmesh.worker.model_config import check_supported
+    from kvmesh.worker.models import architecture_of
+
+    try:
+        source = resolve_model(cfg.model)
+    except FileNotFoundError as e:  # the default model's package is not installed
+        raise ValueError(f"model: {e}") from None
+    hf_config = load_hf_config(source)
+    architecture_of(hf_config, source.name)
+    check_supported(hf_config, source.name)
+    load_tokenizer_for(source)  # the ingress's first step
+
+
 def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
     cfg = fit_to_this_machine(cfg, address, out)
+    if address is None:
+        check_model_here(cfg)
     ray_address = start_ray(cfg, address, out)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -149,10 +149,18 @@ def load_tokenizer_for(source: ModelSource):
         return build_byte_tokenizer(PRESETS[source.preset]["vocab_size"])
     from transformers import AutoTokenizer
 
+    if not any((source.path / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"model: {source.path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+                         f"save the model's tokenizer beside its weights")
     try:
         return AutoTokenizer.from_pretrained(source.path)
     except Exception as e:
-        raise ValueError(f"model: cannot load the tokenizer of {source.path}: {e}") from e
+        why = " ".join(str(e).split())  # one line (transformers' messages span several)
+        raise ValueError(f"model: cannot load the tokenizer of {source.path}: {why}") from e
+
+
+# A directory holds a tokenizer when it holds one of these (what save_pretrained writes)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 SHARD_INDEX = "model.safetensors.index.json"

@@ -102,9 +102,13 @@ def run_serve(args) -> int:
             print(f"wrote {args.emit_serve_config} (deploy it with: serve deploy "
                   f"{args.emit_serve_config})", file=sys.stderr)
         return 0
-    from kvmesh.cluster.launcher import serve_forever
+    from kvmesh.cluster.launcher import DeployError, serve_forever
 
-    return serve_forever(cfg, args.address)
+    try:
+        return serve_forever(cfg, args.address)
+    except DeployError as e:  # one line with the reason, not Serve's traceback
+        print(f"kvmesh serve: the deployment failed: {e}", file=sys.stderr)
+        return 1
 
 
 def run_client(args) -> int:
