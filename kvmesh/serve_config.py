@@ -70,7 +70,7 @@ class RoutingSection(_Strict):
     temperature: float = Field(0.0, ge=0, description="kv_events: softmax temperature over costs (0 = always the cheapest worker).")
     session_header: str = Field("x-session-id", description="session policy: HTTP header (or the OpenAI `user` field) that keys a session.")
     event_poll_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one router copy's long poll for KV events.")
-    load_report_interval_s: float = Field(0.05, gt=0, description="How often a busy worker reports its load to the routers.")
+    load_report_interval_s: float = Field(0.05, gt=0, le=1.0, description="How often a busy worker reports its load to the routers (at most 1 s: an idle worker reports every second, and a router ranks a worker whose reports stop changing for 3 s last).")
 
 
 class AutoscalingSection(_Strict):

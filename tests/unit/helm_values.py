@@ -102,6 +102,8 @@ BAD_VALUES = {
                               "/kvmesh/replicas/num_replicas': got string, want integer"),
     "no-model": ({"kvmesh": {"model": None}}, "missing property 'model'"),
     "empty-model": ({"kvmesh": {"model": ""}}, "/kvmesh/model': minLength"),
+    "load-reports-slower-than-the-heartbeat": ({"kvmesh": {"routing": {"load_report_interval_s": 5}}},
+                                               "/kvmesh/routing/load_report_interval_s': maximum"),
     "empty-api-key": ({"kvmesh": {"server": {"api_keys": [""]}}}, "/kvmesh/server/api_keys/0': minLength"),
     "api-key-with-space": ({"kvmesh": {"server": {"api_keys": ["sk a"]}}},
                            "/kvmesh/server/api_keys/0': 'sk a' does not match pattern"),

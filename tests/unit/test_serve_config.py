@@ -76,6 +76,9 @@ def test_bad_values_name_the_field():
         parse_config({"routing": {"policy": "random"}})
     with pytest.raises(ValueError, match=r"server\.http_port"):
         parse_config({"server": {"http_port": 70000}})
+    # slower than the idle heartbeat, a worker's reports would stop changing past the stale limit
+    with pytest.raises(ValueError, match=r"routing\.load_report_interval_s: Input should be less than or equal to 1"):
+        parse_config({"routing": {"load_report_interval_s": 3}})
     with pytest.raises(ValueError, match=r"min_replicas \(5\) must be <= autoscaling\.max_replicas \(2\)"):
         parse_config({"autoscaling": {"min_replicas": 5, "max_replicas": 2}})
 
