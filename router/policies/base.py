@@ -43,6 +43,11 @@ class Policy:
     def remove_worker(self, worker_id: str) -> None:
         """A worker left."""
 
+    def state_bytes(self) -> int:
+        """Approximate bytes of what the policy routes from (an index of blocks, a prefix tree);
+        0 for a policy that keeps no such state (`kvmesh sim`'s index_bytes)."""
+        return 0
+
 
 class SeededPolicy(Policy):
     """A policy that draws from a random generator of its own (tie breaks, samples), seeded by

@@ -63,6 +63,9 @@ class KVEventsPolicy(Policy):
         if self.pending is not None:
             self.pending.forget_worker(worker_id)
 
+    def state_bytes(self) -> int:
+        return self.index.approx_bytes()
+
     def cached_tokens(self, request: RouteRequest, cols) -> np.ndarray:
         cached = np.zeros(len(cols.ids), dtype=np.float64)
         for row, tokens in self._holdings(request, cols)[0].items():

@@ -44,6 +44,9 @@ class PrefixApproxPolicy(Policy):
         self._history.pop(worker_id, None)
         self._seq.pop(worker_id, None)
 
+    def state_bytes(self) -> int:
+        return self.tree.approx_bytes()
+
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         cols = columns_of(workers)
         eligible = cols.eligible

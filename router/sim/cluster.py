@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.router import Router
 from kvmesh.router.gc_tuning import freeze_setup
+from kvmesh.router.policies import policy_defaults
 from kvmesh.router.policies.base import RouteRequest
 from kvmesh.router.sim.calibration import CostModel
 from kvmesh.router.sim.worker import Job, SimWorker
@@ -86,7 +87,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
                          f"config has {config.block_size}")
     started = time.perf_counter()
     blocks = config.blocks_per_worker
-    if policy == "prefix_approx":
+    if "max_blocks_per_worker" in policy_defaults(policy):  # a history bounded per worker: the pool
         policy_kwargs.setdefault("max_blocks_per_worker", blocks)
     router = Router(policy=policy, block_size=config.block_size,
                     max_blocks=config.index_max_blocks or blocks * config.num_workers,

@@ -31,13 +31,7 @@ def summarize(result: SimResult, oracle: float) -> dict:
     busy = np.array([w.busy_time for w in result.workers])
     decisions = np.array(result.decision_ns) / 1e3
     cpu = np.array(result.decision_cpu_ns) / 1e3
-    policy = result.router.policy
-    if result.policy == "kv_events":
-        index_bytes = result.router.index.approx_bytes()
-    elif result.policy == "prefix_approx":
-        index_bytes = policy.tree.approx_bytes()
-    else:
-        index_bytes = 0
+    index_bytes = result.router.policy.state_bytes()
     return {
         "hit_rate": cached / prompt if prompt else 0.0,
         "oracle_hit_rate": oracle,

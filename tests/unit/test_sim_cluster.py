@@ -102,3 +102,16 @@ def test_prefix_approx_remembers_at_most_a_pool_of_blocks_per_worker():
     report = run("tenants", ["prefix_approx"], CONFIG, num_requests=200, load=0.5,
                  workload_options=TENANTS, keep_results=True)
     assert report["results"]["prefix_approx"].router.policy.max_blocks_per_worker == CONFIG.blocks_per_worker
+
+
+def test_index_bytes_is_what_the_policy_routes_from():
+    """`index_bytes` is the policy's own state (Policy.state_bytes): kv_events' block index,
+    prefix_approx's tree (its history bounded by the simulated pool), nothing for round robin."""
+    report = run("tenants", ["round_robin", "kv_events", "prefix_approx"], CONFIG, num_requests=300,
+                 load=0.5, workload_options=TENANTS, keep_results=True)
+    sizes = {name: report["policies"][name]["index_bytes"] for name in report["policies"]}
+    assert sizes["round_robin"] == 0 and sizes["kv_events"] > 0 and sizes["prefix_approx"] > 0
+    kv, approx = report["results"]["kv_events"], report["results"]["prefix_approx"]
+    assert sizes["kv_events"] == kv.router.index.approx_bytes()
+    assert sizes["prefix_approx"] == approx.router.policy.tree.approx_bytes()
+    assert approx.router.policy.max_blocks_per_worker == CONFIG.blocks_per_worker
