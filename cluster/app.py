@@ -41,6 +41,7 @@ def worker_options(cfg: ServeConfig) -> dict:
                 # report behind and would call an idle worker full.
                 "block_size": cfg.engine.block_size, "cap": None,
                 "temperature": cfg.routing.temperature,
+                "policy_options": dict(cfg.routing.policy_options),
                 "poll_timeout_s": cfg.routing.event_poll_timeout_s}),
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,

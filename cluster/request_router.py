@@ -39,11 +39,12 @@ class KVAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, app_name: str = "kvmesh", policy: str = "kv_events",
                          block_size: int = 16, cap: int | None = None, temperature: float = 0.0,
-                         poll_timeout_s: float = 1.0):
+                         poll_timeout_s: float = 1.0, policy_options: dict | None = None):
         self.hub_app_name = app_name
         self.poll_timeout_s = poll_timeout_s
         tune_gc_for_routing()  # this process holds a router copy's index (router/gc_tuning.py)
-        self.state = RoutingState(policy, block_size, cap=cap, temperature=temperature)
+        self.state = RoutingState(policy, block_size, cap=cap, temperature=temperature,
+                                  policy_options=policy_options)
         self.hub = get_or_create_hub(app_name)
         self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied
         self._consumer = asyncio.get_running_loop().create_task(self._consume_events())

@@ -11,10 +11,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 from kvmesh.router.policies import POLICY_NAMES as ROUTING_POLICIES
+from kvmesh.router.policies import policy_defaults, policy_options
 AUTOSCALING_POLICIES = ("ongoing_requests", "queue", "kv_pressure", "ttft_slo", "itl_slo")
 AGGREGATION_FUNCTIONS = ("mean", "max", "min")
 
@@ -68,9 +70,33 @@ class RoutingSection(_Strict):
         "kv_events", description="kv_events (exact KV-event prefix index + load), round_robin, least_loaded, power_of_two, session, prefix_approx.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress (HTTP/gRPC front end) replicas; each holds its own router copy fed by the same KV event stream.")
     temperature: float = Field(0.0, ge=0, description="kv_events: softmax temperature over costs (0 = always the cheapest worker).")
+    policy_options: dict[str, Any] = Field(default_factory=dict, description="The policy's own options, by name (docs/ROUTING.md \"Policies\"): kv_events takes weights (a mapping of the cost weights, e.g. {stay_margin: 4096}) and pending_requests; prefix_approx max_blocks_per_worker, cache_threshold, balance_abs, balance_rel; session virtual_nodes; an option the policy does not take is refused by name.")
     session_header: str = Field("x-session-id", description="session policy: HTTP header (or the OpenAI `user` field) that keys a session.")
     event_poll_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one router copy's long poll for KV events.")
     load_report_interval_s: float = Field(0.05, gt=0, le=1.0, description="How often a busy worker reports its load to the routers (at most 1 s: an idle worker reports every second, and a router ranks a worker whose reports stop changing for 3 s last).")
+
+
+    @field_validator("policy_options")
+    @classmethod
+    def _options_of_the_policy(cls, options: dict, info: ValidationInfo) -> dict:
+        from kvmesh.router.router import Router
+
+        policy = info.data.get("policy")
+        if policy is None:  # the policy itself was refused
+            return options
+        if "temperature" in options:
+            raise ValueError("temperature: set routing.temperature instead")
+        # the policy built once with them: its own checks of their values run here too
+        Router(policy=policy, **policy_options(policy, options))
+        return options
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_of_the_policy(cls, temperature: float, info: ValidationInfo) -> float:
+        policy = info.data.get("policy")
+        if temperature and policy is not None and "temperature" not in policy_defaults(policy):
+            raise ValueError(f"policy {policy!r} takes no temperature (kv_events does)")
+        return temperature
 
 
 class AutoscalingSection(_Strict):

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from kvmesh.hashing import hash_array
 from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
 from kvmesh.router.event_log import PollResult, WorkerGone
+from kvmesh.router.policies import policy_defaults
+from kvmesh.router.policies import policy_options as policy_options_of
 from kvmesh.router.router import Router
 
 # A worker reports its load at least every second (its heartbeat). One not heard from for this long
@@ -33,16 +35,19 @@ STALE_LOAD_S = float(os.environ.get("KVMESH_STALE_LOAD_S", "3.0"))
 class RoutingState:
     def __init__(self, policy: str, block_size: int, cap: int | None = None, temperature: float = 0.0,
                  seed=None, clock: Callable[[], float] = time.monotonic,
-                 stale_load_s: float | None = STALE_LOAD_S):
+                 stale_load_s: float | None = STALE_LOAD_S, policy_options: dict | None = None):
         """`cap`: the replicas' max_ongoing_requests (beyond it a worker is ranked after the others).
         `seed`: the policy's tie-breaking generator (anything numpy's default_rng takes; None: from
         the OS, as the cluster's copies run). `clock`: when loads are heard (a simulation passes its
         own). `stale_load_s`: a worker whose reports have not changed for this long is ranked after
         the others; None: silence is not measured (a simulation, whose workers never fall silent),
-        only a load that says `stalled` demotes."""
+        only a load that says `stalled` demotes. `policy_options`: the policy's options as a config
+        gives them (router.policies.policy_options)."""
         if stale_load_s is not None and stale_load_s <= 0:
             raise ValueError(f"stale_load_s must be > 0 or None, got {stale_load_s}")
-        options = {"temperature": temperature} if policy == "kv_events" else {}
+        options = policy_options_of(policy, policy_options)
+        if temperature or "temperature" in policy_defaults(policy):
+            options["temperature"] = temperature  # a policy without one refuses a nonzero value
         self.router = Router(policy=policy, block_size=block_size, default_cap=cap, seed=seed, **options)
         self.policy = policy
         self.clock = clock

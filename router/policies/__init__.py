@@ -7,8 +7,12 @@ defaults are its constructor's keywords (`policy_defaults`); `index`, `block_siz
 common arguments that `make_policy` passes to the policies that take them.
 """
 
+import dataclasses
 import importlib
 import inspect
+import typing
+from collections.abc import Mapping
+from typing import Any
 
 from kvmesh.router.policies.base import Policy, RouteRequest
 
@@ -39,6 +43,44 @@ def policy_defaults(name: str) -> dict:
             if k != "self" and k not in _COMMON and p.default is not inspect.Parameter.empty}
 
 
+def policy_options(name: str, raw: Mapping[str, Any] | None) -> dict:
+    """A policy's options as a config gives them (plain values; a dataclass option such as
+    kv_events' `weights` as a mapping of its fields), checked and converted for `make_policy`.
+    A ValueError names the option (`weights.stay_margin`) and what it takes."""
+    raw = dict(raw or {})
+    known = policy_defaults(name)
+    hints = typing.get_type_hints(policy_class(name).__init__)
+    options = {}
+    for key, value in raw.items():
+        if key not in known:
+            takes = ", ".join(known) if known else "none"
+            raise ValueError(f"{key}: policy {name!r} takes no option {key!r} (its options: {takes})")
+        kinds = typing.get_args(hints.get(key)) or (hints.get(key),)
+        structs = [k for k in kinds if dataclasses.is_dataclass(k)]
+        if structs:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{key}: a mapping of {structs[0].__name__}'s fields, got {value!r}")
+            fields = [f.name for f in dataclasses.fields(structs[0])]
+            for field_name in value:
+                if field_name not in fields:
+                    raise ValueError(f"{key}.{field_name}: no such field (fields: {', '.join(fields)})")
+            try:
+                options[key] = structs[0](**value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{key}: {e}") from None
+            continue
+        default = known[key]
+        numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))
+                        or (isinstance(default, int) and not isinstance(value, int))):
+            kind = "a whole number" if isinstance(default, int) else "a number"
+            raise ValueError(f"{key}: {kind} like its default {default!r}, got {value!r}")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"{key}: true or false, got {value!r}")
+        options[key] = value
+    return options
+
+
 def parse_policy_names(text: str) -> list[str]:
     """A comma-separated list of policy names, or `all` (every policy, in registry order)."""
     if text == "all":
@@ -67,4 +109,4 @@ def make_policy(name: str, *, index=None, block_size: int = 16, seed: int | None
 
 
 __all__ = ["POLICIES", "POLICY_NAMES", "DEFAULT_POLICY", "Policy", "RouteRequest", "make_policy",
-           "parse_policy_names", "policy_class", "policy_defaults"]
+           "parse_policy_names", "policy_class", "policy_defaults", "policy_options"]

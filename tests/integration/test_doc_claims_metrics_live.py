@@ -36,11 +36,14 @@ BLOCK = 16
 POOL_BLOCKS = 24
 # tiny-llama: 2 layers x 1 KV head x 16 dims x K,V x fp32 = 256 B per token
 KV_BYTES = POOL_BLOCKS * BLOCK * 256
+# routing.policy_options, not the defaults (8,192 and 4,096), to see them reach the router copy
+POLICY_OPTIONS = {"weights": {"stay_margin": 4096}, "pending_requests": 1000}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = cpu_config(engine={"kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 4})
+    config = cpu_config(engine={"kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 4},
+                        routing={"policy_options": POLICY_OPTIONS})
     with config_cluster(tmp_path_factory, config) as c:
         yield c
 
@@ -52,8 +55,12 @@ ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
 def state(replica):
     import gc, os
     from kvmesh.cluster import process_metrics
+    copies = [c for c in process_metrics.ROUTER_COPIES if hasattr(c, "state")]
+    policy = copies[0].state.router.policy if copies else None
     return {"pid": os.getpid(), "gc_threshold": list(gc.get_threshold()),
-            "gc_frozen": gc.get_freeze_count(), "router_copies": len(process_metrics.ROUTER_COPIES)}
+            "gc_frozen": gc.get_freeze_count(), "router_copies": len(process_metrics.ROUTER_COPIES),
+            "stay_margin": policy.weights.stay_margin if policy else None,
+            "pending_requests": policy.pending.max_requests if policy else None}
 
 for a in ray.util.list_named_actors(all_namespaces=True):
     if "#Ingress#" in a["name"]:
@@ -124,6 +131,13 @@ def test_the_ingress_process_holding_the_router_copy_runs_with_the_routing_gc_se
     states = ingress_state(cluster)
     assert len(states) == 1 and states[0]["router_copies"] >= 1, states
     assert tuple(states[0]["gc_threshold"]) == ROUTING_GC_THRESHOLDS == (100_000, 50, 100), states
+
+
+def test_the_router_copy_s_policy_takes_routing_policy_options(cluster):
+    """docs/ROUTING.md: routing.policy_options reach the policy of the cluster's router copy."""
+    complete(cluster, prompt(0, 2), max_tokens=1)
+    (state,) = ingress_state(cluster)
+    assert (state["stay_margin"], state["pending_requests"]) == (4096, 1000), state
 
 
 def test_ingress_rss_bytes_is_the_ingress_process_s_resident_memory(cluster):
