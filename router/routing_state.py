@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from kvmesh.hashing import hash_array
 from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
 from kvmesh.router.event_log import PollResult, WorkerGone
-from kvmesh.router.policies import policy_defaults
 from kvmesh.router.policies import policy_options as policy_options_of
 from kvmesh.router.router import Router
 
@@ -46,8 +45,8 @@ class RoutingState:
         if stale_load_s is not None and stale_load_s <= 0:
             raise ValueError(f"stale_load_s must be > 0 or None, got {stale_load_s}")
         options = policy_options_of(policy, policy_options)
-        if temperature or "temperature" in policy_defaults(policy):
-            options["temperature"] = temperature  # a policy without one refuses a nonzero value
+        if temperature:  # a policy without one refuses it
+            options["temperature"] = temperature
         self.router = Router(policy=policy, block_size=block_size, default_cap=cap, seed=seed, **options)
         self.policy = policy
         self.clock = clock

@@ -42,6 +42,10 @@ def register(subparsers) -> None:
                    help="router cap: max outstanding requests per worker (default 256; 0 = none)")
     p.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="workload parameter, e.g. num_tenants=64 or suffix_tokens=(64,512); repeatable")
+    p.add_argument("--policy-opt", action="append", default=[], metavar="POLICY.KEY=VALUE",
+                   help="a policy's option, as routing.policy_options takes it (docs/ROUTING.md "
+                        "\"Policies\"): kv_events.pending_requests=1024, a field of a mapping option "
+                        "with one more dot: kv_events.weights.stay_margin=4096; repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--router-copies", type=int, default=0, metavar="N",
                    help="route as the serving cluster does: N RoutingState copies in turn, fed late "
@@ -77,6 +81,40 @@ def parse_workload_options(pairs: list[str]) -> dict:
     return options
 
 
+def parse_policy_options(pairs: list[str], policies: list[str]) -> dict[str, dict]:
+    """--policy-opt POLICY.KEY[.FIELD]=VALUE pairs -> {policy: options}, each policy's checked as a
+    serving config's are (router.policies.policy_options)."""
+    from kvmesh.router.policies import POLICY_NAMES, policy_options
+
+    options: dict[str, dict] = {}
+    for pair in pairs:
+        path, sep, value = pair.partition("=")
+        parts = path.split(".")
+        if not sep or len(parts) not in (2, 3) or not all(parts):
+            raise ValueError(f"--policy-opt wants POLICY.KEY=VALUE or POLICY.KEY.FIELD=VALUE, got {pair!r}")
+        if parts[0] not in POLICY_NAMES:
+            raise ValueError(f"--policy-opt {path}: no policy {parts[0]!r}; choose one of "
+                             f"{', '.join(POLICY_NAMES)}")
+        if parts[0] not in policies:
+            raise ValueError(f"--policy-opt {path}: {parts[0]} is not among the policies run "
+                             f"({', '.join(policies)})")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--policy-opt {path}: {value!r} is not a Python literal") from None
+        mine = options.setdefault(parts[0], {})
+        if len(parts) == 2:
+            mine[parts[1]] = parsed
+        else:
+            mine.setdefault(parts[1], {})[parts[2]] = parsed
+    for name, raw in options.items():
+        try:
+            policy_options(name, raw)
+        except ValueError as e:
+            raise ValueError(f"--policy-opt {name}.{e}") from None
+    return options
+
+
 def _run(args: argparse.Namespace) -> int:
     """Discrete-event simulation of N workers (H200 / Qwen3-0.6B calibration) routed by the real
     kvmesh router. See docs/ROUTING.md."""
@@ -104,7 +142,8 @@ def _run(args: argparse.Namespace) -> int:
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,
                        max_batched_tokens=args.max_batched_tokens, cap=args.cap or None, seed=args.seed,
                        router_copies=args.router_copies, report_interval_s=args.report_interval_s,
-                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events)
+                       event_delay_s=args.event_delay_s, loads_with_events=args.loads_with_events,
+                       policy_options=parse_policy_options(args.policy_opt, policies))
     options = parse_workload_options(args.workload_opt)
     if args.autoscale:
         return _run_autoscale(args, config, load, options)

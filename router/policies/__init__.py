@@ -57,6 +57,9 @@ def policy_options(name: str, raw: Mapping[str, Any] | None) -> dict:
             raise ValueError(f"{key}: policy {name!r} takes no option {key!r} (its options: {takes})")
         kinds = typing.get_args(hints.get(key)) or (hints.get(key),)
         structs = [k for k in kinds if dataclasses.is_dataclass(k)]
+        if structs and isinstance(value, structs[0]):  # already built (a caller's own)
+            options[key] = value
+            continue
         if structs:
             if not isinstance(value, Mapping):
                 raise ValueError(f"{key}: a mapping of {structs[0].__name__}'s fields, got {value!r}")

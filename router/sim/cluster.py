@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.router import Router
 from kvmesh.router.gc_tuning import freeze_setup
-from kvmesh.router.policies import policy_defaults
+from kvmesh.router.policies import policy_defaults, policy_options
 from kvmesh.router.policies.base import RouteRequest
 from kvmesh.router.sim.calibration import CostModel
 from kvmesh.router.sim.worker import Job, SimWorker
@@ -41,6 +41,8 @@ class SimConfig:
     report_interval_s: float = 0.05  # a worker's load reaches the copies this often
     event_delay_s: float = 0.0  # worker -> hub -> copy: a publication reaches the copies this late
     loads_with_events: bool = False  # the load also travels with every batch (cluster/worker.py)
+    # policy name -> its options as a serving config's routing.policy_options gives them
+    policy_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("num_workers", "max_batch", "max_batched_tokens", "block_size"):
@@ -87,6 +89,7 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
                          f"config has {config.block_size}")
     started = time.perf_counter()
     blocks = config.blocks_per_worker
+    policy_kwargs = {**policy_options(policy, config.policy_options.get(policy)), **policy_kwargs}
     if "max_blocks_per_worker" in policy_defaults(policy):  # a history bounded per worker: the pool
         policy_kwargs.setdefault("max_blocks_per_worker", blocks)
     router = Router(policy=policy, block_size=config.block_size,
@@ -100,12 +103,10 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
         router.update_load(w.load(0.0))
     copies = None
     if config.router_copies:
-        if policy_kwargs:
-            raise ValueError("policy options are not passed to the router copies")
         from kvmesh.router.sim.copies import RouterCopies
 
         extra = {"state_class": routing_state} if routing_state is not None else {}
-        copies = RouterCopies(config, policy, workers, **extra)
+        copies = RouterCopies(config, policy, workers, policy_options=policy_kwargs, **extra)
         router = copies.router
     versions = [0] * len(workers)
     followups: dict[int, list] = {}

@@ -42,14 +42,15 @@ class RouterCopies:
     instant as a worker event goes first), calls `on_step_end` after each step and `route` per
     arrival."""
 
-    def __init__(self, config, policy: str, workers, state_class=RoutingState):
+    def __init__(self, config, policy: str, workers, state_class=RoutingState,
+                 policy_options: dict | None = None):
         self.config = config
         self.workers = {w.worker_id: w for w in workers}
         self.worker_ids = list(self.workers)
         self.now = 0.0
         self.log = EventLog(clock=self._clock)
         self.copies = [state_class(policy, config.block_size, cap=None, seed=[config.seed, number],
-                                   clock=self._clock, stale_load_s=None)
+                                   clock=self._clock, stale_load_s=None, policy_options=policy_options)
                        for number in range(config.router_copies)]
         self.routed = 0
         self._queue: list = []  # (time, kind, order, payload)

@@ -131,4 +131,5 @@ def _config_dict(workload: Workload, config: SimConfig, capacity: float, load, r
         "model": dataclasses.asdict(cost.model),
         "hardware": dataclasses.asdict(cost.hardware),
         **copies,
+        **({"policy_options": config.policy_options} if config.policy_options else {}),
     }

@@ -65,3 +65,35 @@ def test_no_options_are_the_policy_s_defaults():
     assert policy_options("kv_events", None) == {}
     assert RoutingState("kv_events", 16).router.policy.weights == CostWeights()
     assert parse_config({"routing": {"policy": "session", "policy_options": {"virtual_nodes": 8}}})
+
+
+def test_the_simulator_takes_them_per_policy_for_one_router_and_for_its_copies():
+    from kvmesh.router.sim.cluster import SimConfig
+    from kvmesh.router.sim.run import run
+
+    options = {"kv_events": {"weights": {"stay_margin": 4096}, "pending_requests": 100}}
+    for copies in (0, 2):
+        config = SimConfig(num_workers=4, kv_blocks=2000, seed=0, router_copies=copies,
+                           policy_options=options)
+        report = run("prefix_repetition", ["kv_events", "round_robin"], config, num_requests=100,
+                     load=0.5, keep_results=True)
+        policy = report["results"]["kv_events"].router.policy
+        assert (policy.weights.stay_margin, policy.pending.max_requests) == (4096, 100)
+        assert report["config"]["policy_options"] == options
+
+
+def test_kvmesh_sim_policy_opt_builds_each_policy_s_options_and_names_a_bad_one(capsys):
+    from kvmesh.cli import main
+    from kvmesh.commands.sim import parse_policy_options
+
+    assert parse_policy_options(["kv_events.weights.stay_margin=4096", "kv_events.weights.prefill=3.0",
+                                 "prefix_approx.balance_abs=8"], ["kv_events", "prefix_approx"]) == {
+        "kv_events": {"weights": {"stay_margin": 4096, "prefill": 3.0}},
+        "prefix_approx": {"balance_abs": 8}}
+    for pair, message in [("kv_events.weights.nope=1", "--policy-opt kv_events.weights.nope: no such field"),
+                          ("kv_events.pending_requests=0.5", "pending_requests: a whole number"),
+                          ("session.virtual_nodes=8", "session is not among the policies run"),
+                          ("kv_events=1", "--policy-opt wants POLICY.KEY=VALUE")]:
+        assert main(["sim", "--workers", "2", "--requests", "10", "--no-progress",
+                     "--policy-opt", pair]) == 2
+        assert message in capsys.readouterr().err
