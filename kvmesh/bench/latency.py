@@ -17,7 +17,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model dtype; fp8 / fp8_e4m3: an FP8 KV cache")
     p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size (default 16, rounded up to the backend's block_size_multiple)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", choices=["fp8"], default=None,
@@ -33,10 +34,11 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from kvmesh import LLM, SamplingParams
+    from kvmesh.worker.attention.registry import block_size_for
 
     if min(args.prompt_len, args.decode_prompt_len, args.output_len, args.repeats) < 1 or args.output_len < 2:
         raise ValueError("lengths and --repeats must be >= 1 (--output-len >= 2)")
-    block_size = args.block_size or (256 if args.attention_backend == "flash_attn" else 16)
+    block_size = args.block_size or block_size_for(args.attention_backend)
     llm = LLM(model=args.model, device=args.device, attention_backend=args.attention_backend,
               block_size=block_size, enforce_eager=args.enforce_eager, max_num_seqs=8,
               torch_compile=args.torch_compile, tensor_parallel_size=args.tensor_parallel_size,

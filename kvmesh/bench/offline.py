@@ -44,7 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--peer-num-prompts", type=int, default=None,
                    help="transformers peer: run only the first N prompts (it is slow)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--block-size", type=int, default=None, help="KV block size (default 16; 256 for flash_attn)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size (default 16, rounded up to the backend's block_size_multiple)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=None,
@@ -79,7 +80,9 @@ def add_arguments(p) -> None:
 
 
 def engine_args(args) -> dict:
-    block_size = args.block_size or (256 if args.attention_backend == "flash_attn" else 16)
+    from kvmesh.worker.attention.registry import block_size_for  # imports torch: not at CLI parse time
+
+    block_size = args.block_size or block_size_for(args.attention_backend)
     max_model_len = getattr(args, "max_model_len", None) or 4096
     return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -8,25 +8,25 @@ import pytest
 import torch
 
 from attention_cases import make_case, reference_attention, relative_error
+from kvmesh.worker.attention import load_backend_class
+from kvmesh.worker.attention.registry import BACKENDS, backend_spec
 
 pytestmark = pytest.mark.gpu
 
 BF16_BAND = 1e-2  # bf16 operands land between 1e-3 and 1e-2; NaN fails the comparison
-PAGES = {"triton": [16, 1, 32, 256], "flashinfer": [16, 1, 256], "flash_attn": [256]}
-MODULES = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}
+GPU_BACKENDS = [name for name, spec in BACKENDS.items() if spec.needs_gpu]  # torch: the second reference
+# each backend's pages: those of these its registry line takes (flash_attn: 256), else its smallest
+PAGES = {name: [p for p in (16, 1, 32, 256) if p % spec.block_size_multiple == 0] or [spec.block_size_multiple]
+         for name, spec in BACKENDS.items()}
 
 
 def backend_class(name):
-    if name in MODULES and importlib.util.find_spec(MODULES[name]) is None:
-        pytest.skip(f"{MODULES[name]} is not installed here")
-    if name == "triton":
-        from kvmesh.worker.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend
-    if name == "flashinfer":
-        from kvmesh.worker.attention.flashinfer_backend import FlashInferAttentionBackend
-        return FlashInferAttentionBackend
-    from kvmesh.worker.attention.flash_attn_backend import FlashAttnAttentionBackend
-    return FlashAttnAttentionBackend
+    """The registry's class for `name` (an unknown name is a ValueError); skipped if its library is
+    not installed here."""
+    spec = backend_spec(name)
+    if spec.library is not None and importlib.util.find_spec(spec.library) is None:
+        pytest.skip(f"{spec.library} is not installed here")
+    return load_backend_class(name)
 
 
 def run(name, case, num_heads, num_kv_heads, head_dim, page):
@@ -59,10 +59,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", ["triton", "flashinfer", "flash_attn"])
+@pytest.mark.parametrize("name", GPU_BACKENDS)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("kind", list(CASES))
 def test_backend_matches_reference(name, num_heads, num_kv_heads, head_dim, kind):
+    problem = BACKENDS[name].unsupported(PAGES[name][0], head_dim, "bfloat16")
+    if problem is not None:
+        pytest.skip(f"{name}: its registry line needs {problem[0]} to be {problem[1]}")
     for page in PAGES[name]:
         case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page=page,
                          seed=torch.randint(0, 2**31, ()).item(), **CASES[kind])
@@ -94,6 +97,11 @@ def test_triton_decode_split_counts_agree():
         out = torch.full_like(case.q, float("nan"))
         paged_decode(case.q, case.k_cache, case.v_cache, out, md.seq_lens, md.block_tables, case.scale, splits)
         assert relative_error(out, ref) < BF16_BAND, splits
+
+
+def test_backend_class_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="attention_backend must be one of auto"):
+        backend_class("not_a_backend")
 
 
 def test_flash_attn_backend_rejects_page_16():

@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 
+from kvmesh.worker.attention.registry import BACKENDS, backend_spec, block_size_for
 from qwen3_greedy import generate_greedy
 
 pytestmark = pytest.mark.gpu
@@ -21,15 +22,25 @@ def reference():
     return generate_greedy("torch", logprobs=TOP_K)
 
 
-@pytest.mark.parametrize("backend,torch_compile,block_size,xqa", [
-    ("triton", False, 16, False), ("flashinfer", False, 16, False), ("flash_attn", False, 256, False),
-    ("flashinfer", False, 16, True), ("flashinfer", False, 64, True),  # XQA decode (KVMESH_XQA_DECODE)
-    ("flashinfer", False, 256, False),
-    ("triton", True, 16, False), ("flash_attn", True, 256, False)])  # torch_compile: compiled layers under graphs
+def skip_if_not_installed(backend):
+    library = backend_spec(backend).library  # an unknown name is a ValueError
+    if library is not None and importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed here")
+
+
+# every fast backend at the registry's block size for it (16, or 256 for flash_attn), with and
+# without torch_compile (compiled layers under its CUDA graphs), then flashinfer's own variants
+GPU_BACKENDS = [name for name, spec in BACKENDS.items() if spec.needs_gpu]
+GREEDY_ROWS = [(name, torch_compile, block_size_for(name), False)
+               for torch_compile in (False, True) for name in GPU_BACKENDS
+               if not torch_compile or BACKENDS[name].cuda_graphs]
+GREEDY_ROWS += [("flashinfer", False, 16, True), ("flashinfer", False, 64, True),  # XQA decode (KVMESH_XQA_DECODE)
+                ("flashinfer", False, 256, False)]
+
+
+@pytest.mark.parametrize("backend,torch_compile,block_size,xqa", GREEDY_ROWS)
 def test_greedy_tokens_match_torch_backend(reference, monkeypatch, backend, torch_compile, block_size, xqa):
-    module = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}.get(backend)
-    if module and importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed here")
+    skip_if_not_installed(backend)
     if backend == "flashinfer":
         from kvmesh.worker.attention import flashinfer_backend
         monkeypatch.setattr(flashinfer_backend, "XQA_DECODE", xqa)
@@ -48,16 +59,15 @@ def test_greedy_tokens_match_torch_backend(reference, monkeypatch, backend, torc
             f"{backend}: prompt {prompt_index} diverges at token {i} without a near-tie (gap {gap:.4f})")
 
 
-@pytest.mark.parametrize("backend,kv_cache_dtype", [("triton", "auto"), ("flashinfer", "fp8"), ("flash_attn", "auto")])
+@pytest.mark.parametrize("backend,kv_cache_dtype", [
+    (name, "fp8" if kv == "fp8_e4m3" else kv) for name in GPU_BACKENDS for kv in BACKENDS[name].kv_cache_dtypes])
 def test_kv_stored_by_the_rotation_gives_the_same_tokens_and_logprobs(monkeypatch, backend, kv_cache_dtype):
     """The rotation writing K / V into the cache (KVMESH_FUSED_KV_STORE, on by default) against the
     backend's own store after it: the same bytes in the cache, so the same tokens and logprobs."""
     from kvmesh.worker.models import decoder
 
-    module = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}.get(backend)
-    if module and importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed here")
-    block_size = 256 if backend == "flash_attn" else 16
+    skip_if_not_installed(backend)
+    block_size = block_size_for(backend)
     runs = {}
     for fused in (True, False):
         monkeypatch.setattr(decoder, "FUSE_KV_STORE", fused)

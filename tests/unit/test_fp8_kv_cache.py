@@ -11,20 +11,24 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # flash_attn_reference
+sys.path.insert(0, os.path.join(TESTS, "gpu"))  # attention_cases (device-agnostic helpers)
+import flash_attn_reference  # noqa: E402
 from attention_cases import fp8_case, make_case, reference_attention, relative_error  # noqa: E402
 
 from kvmesh import LLM, SamplingParams  # noqa: E402
 from kvmesh.bench.floor import ModelShape  # noqa: E402
 from kvmesh.config import EngineConfig  # noqa: E402
 from kvmesh.serve_config import parse_config  # noqa: E402
-from kvmesh.worker.attention import registry  # noqa: E402
-from kvmesh.worker.attention.registry import BACKENDS, choose_backend  # noqa: E402
+from kvmesh.worker.attention import load_backend_class, registry  # noqa: E402
+from kvmesh.worker.attention.registry import BACKENDS, FP8_KV, block_size_for, choose_backend  # noqa: E402
 from kvmesh.worker.attention.torch_backend import TorchAttentionBackend, gather_context, store_kvcache_torch  # noqa: E402
 from kvmesh.worker.kv_cache import FP8_E4M3_MAX, dequantize  # noqa: E402
 
 E4M3_RELATIVE = 2.0 ** -4  # half a unit in the last place of a 3-bit mantissa
 E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10  # below 2^-6 the step is 2^-9: absolute error up to half of it
+BF16_BAND = 1e-2  # a bf16 backend against the float32 reference (tests/gpu/test_attention_backends.py)
 MIXED = dict(decode_ctx=[1, 9, 30], prompt_lens=[7, 1, 12], prefix_lens=[0, 5, 17])
 
 
@@ -105,20 +109,88 @@ def test_an_unknown_kv_cache_dtype_names_the_field():
     assert parse_config({"engine": {"kv_cache_dtype": "fp8"}}).engine_config("w").kv_cache_dtype == "fp8"
 
 
+def fp8_capable(name: str) -> bool:
+    return "fp8_e4m3" in BACKENDS[name].kv_cache_dtypes
+
+
+def accepted(name: str, *request) -> bool:
+    """Whether choose_backend takes backend `name` for (block_size, head_dim, dtype, kv_cache_dtype) on a GPU."""
+    try:
+        choose_backend(name, "cuda", *request)
+    except ValueError:
+        return False
+    return True
+
+
 def test_flash_attn_refuses_an_fp8_cache_and_auto_skips_it(monkeypatch):
     # as on a machine where every backend's library is installed
     monkeypatch.setattr(registry, "BACKENDS", {n: dataclasses.replace(s, library=None) for n, s in BACKENDS.items()})
+    assert not fp8_capable("flash_attn")  # test_each_backends_fp8_kv_line_matches_what_it_does checks this line
+    takers = [n for n in BACKENDS if n != "flash_attn" and accepted(n, 256, 128, "bfloat16", "fp8")]
+    assert "torch" in takers and all(fp8_capable(n) for n in takers)
     with pytest.raises(ValueError, match=r"attention_backend 'flash_attn' needs kv_cache_dtype \(engine\."
                                          r"kv_cache_dtype in a serve config\) to be one of auto, got fp8; "
-                                         r"change it or choose attention_backend flashinfer or triton or torch"):
+                                         rf"change it or choose attention_backend {' or '.join(takers)}$"):
         choose_backend("flash_attn", "cuda", 256, 128, "bfloat16", "fp8")
-    # flashinfer absent and flash_attn taking any page: then auto's first choice is flash_attn
+    # the backends before it absent and flash_attn taking any page: then auto's first choice is flash_attn,
+    # and with an FP8 cache the next FP8 one after it
     installed = registry.BACKENDS
-    monkeypatch.setitem(installed, "flashinfer", dataclasses.replace(installed["flashinfer"], library="kvmesh_absent"))
+    order = list(BACKENDS)
+    for name in order[:order.index("flash_attn")]:
+        monkeypatch.setitem(installed, name, dataclasses.replace(installed[name], library="kvmesh_absent"))
     monkeypatch.setitem(installed, "flash_attn", dataclasses.replace(installed["flash_attn"], block_size_multiple=1))
     assert choose_backend("auto", "cuda", 16, 128, "bfloat16", "auto") == "flash_attn"
-    assert choose_backend("auto", "cuda", 16, 128, "bfloat16", "fp8_e4m3") == "triton"
-    assert {n for n, s in BACKENDS.items() if "fp8_e4m3" in s.kv_cache_dtypes} == {"torch", "triton", "flashinfer"}
+    chosen = choose_backend("auto", "cuda", 16, 128, "bfloat16", "fp8_e4m3")
+    after = [n for n in order[order.index("flash_attn") + 1:] if accepted(n, 16, 128, "bfloat16", "fp8")]
+    assert chosen == after[0] and fp8_capable(chosen)
+
+
+def cpu_backend_class(name: str, monkeypatch):
+    """Backend `name`'s class where it runs on this CPU machine: a backend that needs no GPU, or
+    flash_attn on tests/flash_attn_reference.py (flash-attn 2.8's interface and its dtype checks)."""
+    spec = BACKENDS[name]
+    if spec.library in CPU_STAND_INS:
+        monkeypatch.setitem(sys.modules, spec.library, CPU_STAND_INS[spec.library])
+    elif spec.needs_gpu or not spec.installed():
+        pytest.skip(f"{name} runs on a GPU only: tests/gpu/test_fp8_kv_cache_gpu.py")
+    return load_backend_class(name)
+
+
+CPU_STAND_INS = {"flash_attn": flash_attn_reference}
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_each_backends_fp8_kv_line_matches_what_it_does(monkeypatch, name):
+    """Each backend that runs here, made to accept an FP8 cache whatever its registry line says:
+    it attends over the FP8 pool as it does over a bf16 one (within the bf16 band of the rounded
+    problem's float32 reference) exactly when its line lists fp8_e4m3."""
+    cls = cpu_backend_class(name, monkeypatch)
+    spec, claimed = BACKENDS[name], fp8_capable(name)
+    page = block_size_for(name)
+    head_dim = 64 if spec.head_dims is None or 64 in spec.head_dims else spec.head_dims[0]
+    dtype = "bfloat16" if "bfloat16" in spec.dtypes else spec.dtypes[0]
+    case = make_case(num_heads=4, num_kv_heads=2, head_dim=head_dim, page=page, dtype=getattr(torch, dtype),
+                     device="cpu", seed=11, decode_ctx=[1, 300], prompt_lens=[7, 40], prefix_lens=[0, 270])
+
+    def attend(case, kv_cache_dtype, k_scale=1.0, v_scale=1.0):
+        backend = cls(4, 2, head_dim, page, case.scale, torch.device("cpu"), getattr(torch, dtype),
+                      kv_cache_dtype=kv_cache_dtype)
+        backend.plan(case.metadata)
+        return backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.metadata, k_scale, v_scale)
+
+    # the control: in the model dtype it solves the problem, so a failure below is the FP8 cache's
+    assert relative_error(attend(case, "auto"), reference_attention(case)) < BF16_BAND
+    monkeypatch.setitem(registry.BACKENDS, name, dataclasses.replace(spec, kv_cache_dtypes=FP8_KV))
+    fp8, solved = fp8_case(case, 0.25, 2.0)
+    try:
+        error = relative_error(attend(fp8, "fp8", 0.25, 2.0), solved)
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # a kernel that refuses float8 K/V
+        error, refused = float("inf"), e
+    else:
+        refused = None
+    assert (error < BF16_BAND) == claimed, (
+        f"{name}: its registry line says FP8 KV {'is' if claimed else 'is not'} supported, "
+        f"but over an FP8 pool it {'refused: ' + repr(refused) if refused else f'gave relative error {error:.3g}'}")
 
 
 def test_a_backend_built_directly_checks_the_kv_cache_dtype():

@@ -1,8 +1,10 @@
 """The three registries (routing policies, attention backends, model architectures): every other list
 of names agrees with them, capabilities drive `auto` and CUDA graphs, unknown names are clear errors."""
 
+import argparse
 import dataclasses
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -119,17 +121,71 @@ def test_cuda_graphs_follow_the_backend_capability(monkeypatch):
     assert uses_cuda_graphs("torch", "cuda", enforce_eager=False)
 
 
+def backends_taking(*request, but: str) -> list[str]:
+    """The backends other than `but`, in registry order, that choose_backend accepts by name for
+    (block_size, head_dim, dtype[, kv_cache_dtype]) on a GPU."""
+    taking = []
+    for name in registry.BACKENDS:
+        try:
+            choose_backend(name, "cuda", *request)
+        except ValueError:
+            continue
+        if name != but:
+            taking.append(name)
+    return taking
+
+
 def test_an_unsupported_combination_names_the_field_and_the_limit(monkeypatch):
     installed_everywhere(monkeypatch)
+    takers = backends_taking(16, 128, "bfloat16", but="flash_attn")
+    assert "torch" in takers  # the reference takes any block size, head dim and dtype
     with pytest.raises(ValueError, match=r"attention_backend 'flash_attn' needs block_size \(engine\.block_size "
                                          r"in a serve config\) to be a multiple of 256, got 16; change it or "
-                                         r"choose attention_backend flashinfer or triton or torch"):
+                                         rf"choose attention_backend {' or '.join(takers)}$"):
         select_backend("flash_attn", torch.device("cuda"), 16, 128, torch.bfloat16)
     with pytest.raises(ValueError, match=r"needs the model's head_dim to be one of 64, 128, 256, got 96"):
         choose_backend("flashinfer", "cuda", 16, 96, "bfloat16")
     with pytest.raises(ValueError, match=r"needs dtype \(engine\.dtype in a serve config\) to be one of "
                                          r"bfloat16, float16, got float32"):
         choose_backend("flashinfer", "cuda", 16, 128, "float32")
+
+
+@pytest.mark.parametrize("bench", ["offline", "latency"])
+def test_the_benches_default_block_size_is_one_the_backend_takes(monkeypatch, bench):
+    """Without --block-size, `kvmesh bench offline|latency` use 16 rounded up to the backend's
+    block_size_multiple (registry.block_size_for): 256 for flash_attn, 16 for auto."""
+    import kvmesh
+    from kvmesh.bench import latency, offline
+
+    installed_everywhere(monkeypatch)
+    monkeypatch.setitem(registry.BACKENDS, "scratch_pages_of_48",
+                        dataclasses.replace(BACKENDS["torch"], block_size_multiple=48))
+
+    class Built(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(kvmesh, "LLM", fake_llm)
+
+    def block_size(backend, given=None):
+        parser = argparse.ArgumentParser()
+        (offline if bench == "offline" else latency).add_arguments(parser)
+        args = parser.parse_args(["--block-size", str(given)] if given else [])
+        args.attention_backend = backend  # a name the CLI's choices (kvmesh.config) may not list yet
+        if bench == "offline":
+            return offline.engine_args(args)["block_size"]
+        with pytest.raises(Built) as built:
+            latency.run(args)
+        return built.value.args[0]["block_size"]
+
+    assert block_size("auto") == 16 and block_size("flash_attn", given=512) == 512
+    assert block_size("scratch_pages_of_48") == 48  # read from the registry, not from a list of names
+    for name, spec in registry.BACKENDS.items():
+        size = block_size(name)
+        assert size >= 16 and size % spec.block_size_multiple == 0, (name, size)
+        choose_backend(name, "cuda", size, 128, "bfloat16")  # the backend takes it
 
 
 def test_a_backend_built_directly_is_checked_against_its_registry_line():
@@ -179,9 +235,11 @@ def test_a_config_without_architectures_is_looked_up_by_model_type():
 
 
 def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
+    assert "GPT2LMHeadModel" not in MODELS and all(e.model_type != "gpt2" for e in MODELS.values())
     AutoConfig.for_model("gpt2", architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the lookup fails first
+    supported = ", ".join(MODELS)  # every registered architecture, in registry order
+    assert "LlamaForCausalLM" in MODELS and "Qwen3ForCausalLM" in MODELS
     with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\] is not supported; "
-                                         r"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                         r"Qwen3MoeForCausalLM, MixtralForCausalLM$"):
+                                         rf"supported: {re.escape(supported)}$"):
         LLM(str(tmp_path), device="cpu")

@@ -92,6 +92,15 @@ def backend_spec(name: str) -> BackendSpec:
     return BACKENDS[name]
 
 
+def block_size_for(name: str, preferred: int = 16) -> int:
+    """`preferred` rounded up to a block size backend `name` takes (16 -> 256 for flash_attn); for
+    `auto`, `preferred` itself."""
+    if name == "auto":
+        return preferred
+    multiple = backend_spec(name).block_size_multiple
+    return -(-preferred // multiple) * multiple
+
+
 def check_supported(name: str, block_size: int, head_dim: int, dtype: str, kv_cache_dtype: str = "auto") -> None:
     """Raise a ValueError naming the field and the limit when backend `name` cannot take these."""
     problem = backend_spec(name).unsupported(block_size, head_dim, dtype, kv_cache_dtype)
