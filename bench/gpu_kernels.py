@@ -19,6 +19,7 @@ sys.path.insert(0, "tests/gpu")
 from attention_cases import make_case, reference_attention, relative_error  # noqa: E402
 
 from kvmesh.bench.floor import measure_ceilings  # noqa: E402
+from kvmesh.worker.attention.registry import block_size_for  # noqa: E402
 
 
 def backend(name, h, hkv, d, page, scale):
@@ -60,7 +61,7 @@ def main():
                     ("decode 4x8192", 4, 8192)]
     for label, batch, ctx in decode_cases:
         for name in available:
-            for page in ([16, 256] if name != "flash_attn" else [256]):
+            for page in sorted({block_size_for(name, p) for p in (16, 256)}):  # pages the backend takes
                 case = make_case(num_heads=h, num_kv_heads=hkv, head_dim=d, page=page, decode_ctx=[ctx] * batch,
                                  prompt_lens=[], prefix_lens=[])
                 ms, err = time_attention(name, case, h, hkv, d, page)
@@ -68,7 +69,7 @@ def main():
                 rows.append((label, name, page, ms * 1e3, kv_bytes / (ms * 1e-3) / 1e12, kv_bytes / (ms * 1e-3) / bw, err))
     for label, batch, new, cached in [("prefill 64x256 on 768", 64, 256, 768), ("prefill 4x2048 fresh", 4, 2048, 0)]:
         for name in available:
-            page = 256 if name == "flash_attn" else 16
+            page = block_size_for(name)
             case = make_case(num_heads=h, num_kv_heads=hkv, head_dim=d, page=page, decode_ctx=[],
                              prompt_lens=[new] * batch, prefix_lens=[cached] * batch)
             ms, err = time_attention(name, case, h, hkv, d, page)

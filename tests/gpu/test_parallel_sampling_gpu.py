@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.worker.attention.registry import BACKENDS as REGISTRY
+from kvmesh.worker.attention.registry import backend_spec, block_size_for
 
 pytestmark = pytest.mark.gpu
 
@@ -18,15 +20,15 @@ MODEL = "random:qwen3-0.6b"
 PROMPTS = [[(17 * i + 3 * j) % 10000 for j in range(n)] for i, n in enumerate((5, 77, 300))]
 NEAR_TIE_NATS = 0.05  # as test_greedy_qwen3.py: bf16 logits move by ~1e-2 between kernels
 LOGPROB_ATOL = 0.1  # bf16 prefill of a 28-layer model, backend vs torch
-BACKENDS = ["torch", "triton", "flashinfer", "flash_attn"]
+BACKENDS = list(REGISTRY)  # every registered backend (the torch one too: the reference)
 
 
 def make_llm(backend: str) -> LLM:
-    module = {"flashinfer": "flashinfer", "flash_attn": "flash_attn"}.get(backend)
-    if module and importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed here")
+    library = backend_spec(backend).library
+    if library is not None and importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed here")
     return LLM(model=MODEL, device="cuda", attention_backend=backend,
-               block_size=256 if backend == "flash_attn" else 16, kv_cache_memory_bytes=2 << 30,
+               block_size=block_size_for(backend), kv_cache_memory_bytes=2 << 30,
                max_model_len=2048, max_num_seqs=16)
 
 
@@ -75,7 +77,7 @@ def torch_prompt_logprobs():
     return [o.prompt_logprobs.logprobs[1:] for o in outs]
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer", "flash_attn"])
+@pytest.mark.parametrize("backend", [name for name in REGISTRY if name != "torch"])
 def test_prompt_logprobs_match_the_torch_backend(backend, torch_prompt_logprobs):
     llm = make_llm(backend)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
