@@ -232,7 +232,13 @@ def load_config(path: str | None) -> ServeConfig:
     if path is None:
         return ServeConfig()
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:  # one line with where, not the parser's traceback
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML{where}: {what}") from None
     if data is not None and not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a YAML mapping, got {type(data).__name__}")
     try:

@@ -217,3 +217,19 @@ def test_scales_to_zero_only_with_autoscaling_down_to_zero_replicas():
     assert parse_config({"autoscaling": {"enabled": True, "min_replicas": 0}}).scales_to_zero
     assert not parse_config({"autoscaling": {"enabled": True, "min_replicas": 1}}).scales_to_zero
     assert not parse_config({"autoscaling": {"enabled": False, "min_replicas": 0}}).scales_to_zero
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ("routing: [\n", "line 2, column 1", "expected the node content"),
+    ("a: b\n  c: d\n", "line 2, column 4", "mapping values are not allowed here"),
+])
+def test_a_config_that_is_not_yaml_is_one_line_naming_the_file_and_the_place(tmp_path, text, where, what):
+    """Not the YAML parser's traceback: `kvmesh serve` prints it as `kvmesh serve: error: ...`."""
+    from kvmesh.cli import main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(str(path))
+    assert str(e.value).startswith(f"{path}: not valid YAML ({where}): {what}")
+    assert main(["serve", str(path)]) == 2
