@@ -8,6 +8,7 @@ the Helm chart renders it. Inside the cluster it becomes a frozen `EngineConfig`
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import yaml
@@ -231,6 +232,8 @@ def load_config(path: str | None) -> ServeConfig:
     """Read a YAML serving config (None: all defaults)."""
     if path is None:
         return ServeConfig()
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such config file" + (" (a directory)" if os.path.isdir(path) else ""))
     with open(path) as f:
         try:
             data = yaml.safe_load(f)

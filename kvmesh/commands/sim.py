@@ -3,6 +3,7 @@
 import argparse
 import ast
 import json
+import os
 import sys
 
 from kvmesh.commands import add_command
@@ -137,6 +138,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--jobs runs seeds in parallel: give --seeds too")
     if args.rate is not None and args.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {args.rate}")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise ValueError(f"--plot {args.plot}: its folder does not exist")  # before the run, not after
     load = args.load if args.load is not None or args.rate is not None else 0.7
     policies = parse_policy_names(args.policy)
     config = SimConfig(num_workers=args.workers, kv_blocks=args.kv_blocks, max_batch=args.max_batch,

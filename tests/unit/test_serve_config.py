@@ -233,3 +233,10 @@ def test_a_config_that_is_not_yaml_is_one_line_naming_the_file_and_the_place(tmp
         load_config(str(path))
     assert str(e.value).startswith(f"{path}: not valid YAML ({where}): {what}")
     assert main(["serve", str(path)]) == 2
+
+
+def test_a_config_path_that_is_no_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"nope\.yaml: no such config file$"):
+        load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ValueError, match=r"no such config file \(a directory\)"):
+        load_config(str(tmp_path))

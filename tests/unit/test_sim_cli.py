@@ -44,3 +44,10 @@ def test_unknown_workload_option_is_a_one_line_error(capsys):
 def test_load_and_rate_are_exclusive():
     with pytest.raises(SystemExit):
         main(["sim", "--load", "0.5", "--rate", "3", *SMALL])
+
+
+def test_a_plot_into_a_missing_folder_is_refused_before_the_run(capsys, tmp_path):
+    assert main(["sim", "--workers", "2", "--requests", "20", "--no-progress",
+                 "--plot", str(tmp_path / "no-such-dir" / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "its folder does not exist" in err
