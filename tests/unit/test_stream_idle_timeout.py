@@ -90,6 +90,22 @@ def small_buffer_client(port: int, rcvbuf: int) -> socket.socket:
     return s
 
 
+def test_a_client_on_loopback_s_own_segment_size_that_reads_nothing_is_cut_too(server):
+    """Without the Ethernet MSS, Linux grew the server socket's send buffer to ~4 MiB on loopback
+    and the whole 600 KiB response vanished into it: no send waited, nothing was cut (the backpressure
+    test's rare failure). The middleware fixes the send buffer (SEND_BUFFER_BYTES)."""
+    app, port = server
+    client = socket.create_connection(("127.0.0.1", port), timeout=30)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        client.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert client.recv(64).startswith(b"HTTP/1.1 200")
+        assert app.ended.wait(TIMEOUT_S + 20), "the app was not stopped"
+        assert app.disconnected and app.chunks_sent < NUM_CHUNKS
+    finally:
+        client.close()
+
+
 def test_a_client_that_reads_nothing_is_cut_and_the_app_stops(server):
     app, port = server
     client = small_buffer_client(port, rcvbuf=4096)
