@@ -229,17 +229,14 @@ def check_model_here(cfg: ServeConfig) -> None:
     error here, before Ray starts (ValueError naming `model` or the config field), not a deployment
     that fails in a replica a minute later. Converts the default model once, for the replicas to
     find in the cache."""
-    from kvmesh.worker.loader import load_hf_config, load_tokenizer_for, resolve_model
-    from kvmesh.worker.model_config import check_supported
-    from kvmesh.worker.models import architecture_of
+    from kvmesh.worker.loader import load_tokenizer_for, resolve_model
+    from kvmesh.worker.model_builder import model_config_of
 
     try:
         source = resolve_model(cfg.model)
     except FileNotFoundError as e:  # the default model's package is not installed
         raise ValueError(f"model: {e}") from None
-    hf_config = load_hf_config(source)
-    architecture_of(hf_config, source.name)
-    check_supported(hf_config, source.name)
+    model_config_of(source)  # what each worker reads first, refusals included
     load_tokenizer_for(source)  # the ingress's first step
 
 

@@ -76,7 +76,6 @@ class RoutingSection(_Strict):
     event_poll_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one router copy's long poll for KV events.")
     load_report_interval_s: float = Field(0.05, gt=0, le=1.0, description="How often a busy worker reports its load to the routers (at most 1 s: an idle worker reports every second, and a router ranks a worker whose reports stop changing for 3 s last).")
 
-
     @field_validator("policy_options")
     @classmethod
     def _options_of_the_policy(cls, options: dict, info: ValidationInfo) -> dict:

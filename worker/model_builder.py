@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.worker.layers.fp8 import check_quantization, quantize_linear_weights
-from kvmesh.worker.loader import (iter_safetensors, load_hf_config, load_tokenizer_for,
+from kvmesh.worker.loader import (ModelSource, iter_safetensors, load_hf_config, load_tokenizer_for,
                                   resolve_model)
 from kvmesh.worker.model_config import ModelConfig
 from kvmesh.worker.models import model_class_for
@@ -41,7 +41,12 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 def model_config_for(model: str) -> ModelConfig:
     """The engine's ModelConfig of a --model value, without building the model."""
-    source = resolve_model(model)
+    return model_config_of(resolve_model(model))
+
+
+def model_config_of(source: ModelSource) -> ModelConfig:
+    """The engine's ModelConfig of a resolved model: its architecture looked up and its config
+    adapted, with every refusal of what the engine cannot do (ValueError naming the field)."""
     hf_config = load_hf_config(source)
     arch, model_class = model_class_for(hf_config, source.name)
     return model_class.config_from_hf(hf_config, source.name, arch)

@@ -100,6 +100,18 @@ def test_a_model_without_a_tokenizer_is_refused_before_ray_starts(tmp_path):
     assert f"model: {tmp_path} has no tokenizer (tokenizer.json or" in last, result.stderr
 
 
+def test_a_config_field_the_engine_cannot_honour_is_refused_before_ray_starts(tmp_path):
+    import json
+
+    tiny_llama_dir(tmp_path, tokenizer=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    result = run_serve("--model", str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "config.json hidden_act='gelu' is not supported (the MLP is SiLU-gated only)" in last, result.stderr
+
+
 @pytest.mark.slow
 def test_a_replica_that_fails_to_start_is_reported_with_its_exception(tmp_path):
     """A Llama checkpoint with a tokenizer but a weights file that is not safetensors passes the
