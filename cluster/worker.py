@@ -39,6 +39,9 @@ from kvmesh.serve_config import ServeConfig, parse_config
 logger = logging.getLogger("kvmesh.cluster")
 
 STALL_TIMEOUT_S = float(os.environ.get("KVMESH_STALL_TIMEOUT_S", "60"))
+# An idle worker still reports its load this often: its heartbeat, "at least every second" in
+# docs/METRICS.md with room for a busy event loop (a router ranks a worker silent for 3 s last).
+HEARTBEAT_S = 0.5
 
 
 def worker_id_of_this_replica() -> str:
@@ -166,19 +169,29 @@ class KVWorker:
     async def _publish_forever(self):
         interval = self.config.routing.load_report_interval_s
         block_size = self.config.engine.block_size
-        last_load_sent = 0.0
+        last_load_sent = 0.0  # when the last report was sent (its start)
         await self._announce()
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                await asyncio.wait_for(self._wake.wait(),
+                                       timeout=max(0.0, last_load_sent + HEARTBEAT_S - time.monotonic()))
             except asyncio.TimeoutError:
                 pass  # idle: still report the load now and then (it is the worker's heartbeat)
             self._wake.clear()
             batches = self.loop.take_kv_batches()
             now = time.monotonic()
-            if not batches and now - last_load_sent < interval:
-                await asyncio.sleep(interval - (now - last_load_sent))
+            # With no KV event, only the load is due, and not before `interval`; a KV batch
+            # produced meanwhile goes out at once (it is what other router copies route on).
+            deadline = last_load_sent + interval
+            while not batches and now < deadline:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=deadline - now)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
                 batches = self.loop.take_kv_batches()
+                now = time.monotonic()
+            last_load_sent = now
             try:
                 # Stamped now: an idle engine's load does not change, but routers must still see
                 # the heartbeat (a load that stops changing marks a stalled replica, router/routing_state.py).
@@ -186,7 +199,6 @@ class KVWorker:
                 if not ok:
                     snap = await self.loop.snapshot()
                     await self.hub.publish_snapshot.remote(snap, self.current_load(), self._stats())
-                last_load_sent = time.monotonic()
             except Exception as e:  # the hub restarts on failure; the next publish resyncs
                 logger.warning("kvmesh worker %s: publishing KV events failed: %r", self.worker_id, e)
                 await asyncio.sleep(0.5)

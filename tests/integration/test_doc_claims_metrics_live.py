@@ -13,7 +13,9 @@ over HTTP on 127.0.0.1.
   or not;
 - `kvmesh_kv_usage_ratio` / `kvmesh_kv_free_blocks`: cached blocks no request holds count as free;
 - `kvmesh_prefix_hit_rate`: a worker's cached / prompt tokens since it started (with one worker:
-  the cluster's cached / prompt counters), `kvmesh_worker_requests` the requests it accepted.
+  the cluster's cached / prompt counters), `kvmesh_worker_requests` the requests it accepted;
+- "a worker reports its load ... at least every second when idle": the load reports the KV event
+  hub holds, read twenty times a second for four seconds of idleness.
 """
 
 import json
@@ -223,3 +225,30 @@ def test_a_worker_s_prefix_hit_rate_is_its_cached_over_prompt_tokens(cluster):
 
     # workers publish their counters about once a second
     wait_until(matched, 20, interval_s=0.5, what="hit rate = cached / prompt tokens")
+
+
+_IDLE_REPORTS = """
+import json, sys, time, ray
+ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
+hub = ray.get_actor("kvmesh-kv-events-kvmesh", namespace="serve")
+stamps = set()
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    loads, _ = ray.get(hub.loads.remote(), timeout=30)
+    stamps |= {(w, load.timestamp, load.running + load.waiting) for w, load in loads.items()}
+    time.sleep(0.05)
+print(json.dumps(sorted(stamps)))
+"""
+
+
+def test_an_idle_worker_reports_its_load_at_least_every_second(cluster):
+    idle(cluster)
+    watch_s = 4.0
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", _IDLE_REPORTS, cluster.ray_address, str(watch_s)],
+                          capture_output=True, text=True, env=loopback_ray_env(), timeout=180, check=True)
+    reports = [tuple(r) for r in json.loads(done.stdout.splitlines()[-1])]
+    assert {w for w, _, _ in reports} and all(busy == 0 for _, _, busy in reports), reports
+    stamps = sorted(t for _, t, _ in reports if t >= started)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert len(stamps) >= watch_s - 1 and max(gaps) <= 1.0, (len(stamps), gaps)
