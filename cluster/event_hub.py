@@ -5,6 +5,9 @@ stream. It is found by name (`kvmesh-kv-events-<app>` in the "serve" namespace) 
 whichever process needs it first; it is detached so that no single worker or ingress owns its
 life, and `kvmesh serve` removes it on shutdown. If it dies it is created again empty: workers are
 then told to send snapshots and router copies resync (the log's instance id changed).
+
+It also keeps each ingress replica's latest request-metric samples, so that every replica's
+/metrics shows the cluster's totals (shared_metrics.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 
 import ray
 
+from kvmesh.cluster.shared_metrics import ReplicaSamples, Samples
 from kvmesh.protocol import KVEventBatch, KVSnapshot, WorkerLoad
 from kvmesh.router.event_log import EventLog, PollResult
 
@@ -28,6 +32,7 @@ def hub_name(app_name: str) -> str:
 class KVEventHub:
     def __init__(self):
         self.log = EventLog()
+        self.ingress_samples = ReplicaSamples()
         self._changed = asyncio.Event()
         self._janitor = None
 
@@ -84,6 +89,10 @@ class KVEventHub:
 
     async def loads(self) -> tuple[dict, dict]:
         return self.log.loads(), self.log.stats()
+
+    async def publish_ingress_metrics(self, replica_id: str, samples: Samples) -> Samples:
+        """Keep an ingress replica's request-metric samples; the sum of every other replica's."""
+        return self.ingress_samples.publish(replica_id, samples)
 
 
 def get_or_create_hub(app_name: str):

@@ -28,6 +28,7 @@ from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
+from kvmesh.cluster.shared_metrics import publish_forever
 from kvmesh.cluster.status import cluster_health, worker_rows
 from kvmesh.cluster.structured_request import parse_structured
 from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
@@ -234,6 +235,9 @@ class Ingress(GrpcService, HealthService):
         self.pipeline = RequestPipeline(self.frontend, self.limits, self.api_keys)
         self.created = int(time.time())  # the model cards' `created`: when this replica started
         process_metrics.register(self.frontend.metrics.registry)
+        self._metrics_publisher = asyncio.get_running_loop().create_task(publish_forever(
+            self.frontend.metrics, serve.get_replica_context().replica_id.unique_id,
+            functools.partial(get_or_create_hub, self.config.app_name)))
         if self.config.server.direct_http_port:  # the same app on this replica's own server
             from kvmesh.cluster.direct_http import serve_direct, shared_socket
 

@@ -1,8 +1,9 @@
 """Prometheus metrics of the ingress (GET /metrics); names, types and labels are a contract with the
 Grafana dashboard and are documented in docs/METRICS.md.
 
-Request metrics are observed by the ingress as requests finish. Per-worker gauges are read at
-scrape time from the KV event hub's latest loads (so a removed worker's series disappear).
+Request metrics are observed by the ingress replica as requests finish, and exported summed with
+every other ingress replica's (shared_metrics.py). Per-worker gauges are read at scrape time from
+the KV event hub's latest loads (so a removed worker's series disappear).
 
 Every metric is also exported under vLLM's name and labels (`vllm:...`, `model_name`, per worker
 `engine`), so dashboards, alerts and autoscaling rules written for vLLM read a kvmesh cluster.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvmesh.cluster.shared_metrics import Samples, WithOthers, samples_of
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -88,6 +91,10 @@ class IngressMetrics:
         self.retries = Counter("kvmesh_request_retries", "Requests sent again after their worker died.", ["model"], registry=r)
         self.aborted = Counter("kvmesh_requests_aborted", "Requests aborted before they finished (the client went away, or a gRPC Abort).", ["model"], registry=r)
         self.vllm = _VllmRequestMetrics(r)
+        # what this replica observes itself: shared with the other ingress replicas
+        self.own = [m for m in (*vars(self).values(), *vars(self.vllm).values())
+                    if isinstance(m, (Counter, Histogram))]
+        self.others: Samples = {}  # the other ingress replicas' sum, from the hub
         self.workers = _WorkerCollector()
         r.register(self.workers)
 
@@ -155,9 +162,12 @@ class IngressMetrics:
                 if first_token is not None:
                     v.inference_time.labels(**labels).observe(prefill + max(0.0, end - first_token))
 
+    def own_samples(self) -> Samples:
+        return samples_of(self.own)
+
     def render(self, loads: dict, stats: dict) -> bytes:
         self.workers.loads, self.workers.stats = loads, stats
-        return generate_latest(self.registry)
+        return generate_latest(WithOthers(self.registry, self.others))
 
 
 MAX_ITL_OBSERVATIONS = 4096  # per request: bounds the work (and memory) of one very long output

@@ -151,3 +151,52 @@ def test_a_client_leaving_the_direct_port_aborts_its_request(cluster):
         time.sleep(0.2)
     # it stopped, and well before its 1,500 tokens: the worker aborted it
     assert running == 0 and tokens - tokens_before < 1000, (running, tokens - tokens_before)
+
+
+def request_totals(url: str) -> tuple[float, float]:
+    """(kvmesh_requests_total of status 200, vllm:request_success_total of every finished_reason)
+    in one scrape of `url`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    answered = finished = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvmesh_requests_total" and s.labels == {"model": MODEL, "status": "200"}:
+                answered += s.value
+            elif s.name == "vllm:request_success_total":
+                finished += s.value
+    return answered, finished
+
+
+def scrapes(cluster):
+    """Scrapes through Serve's proxy and the direct port in turn: (time, totals)."""
+    for i in range(1000):
+        yield time.monotonic(), request_totals(cluster.direct_url if i % 2 else cluster.http_url)
+        time.sleep(0.1)
+
+
+def test_a_scrape_through_either_ingress_replica_shows_the_cluster_s_request_totals(cluster):
+    # the baseline: scrapes through both ways agree and stay so for 2 s (past the 1 s + round
+    # trips in which a request reaches the other replica's scrapes), so it is cluster-wide
+    started, since, before = time.monotonic(), None, None
+    for at, totals in scrapes(cluster):
+        if totals != before:
+            since, before = at, totals
+        elif at - since >= 2.0:
+            break
+        assert at - started < 30, "the request totals did not settle"
+    for i in range(12):  # 8 through the direct port, 4 through the proxy: both replicas get some
+        status, _, _ = post(cluster, {"model": MODEL, "prompt": f"count me {i}", "max_tokens": 1},
+                            base=cluster.direct_url if i % 3 else None)
+        assert status == 200
+    sent = time.monotonic()
+    expected, seen, streak = (before[0] + 12, before[1] + 12), [], 0
+    for at, totals in scrapes(cluster):
+        seen.append(totals)
+        assert totals[0] <= expected[0] and totals[1] <= expected[1], (expected, seen)
+        streak = streak + 1 if totals == expected else 0
+        if streak == 6:  # three scrapes through each way in a row
+            break
+        assert at - sent < 10, (expected, seen)
