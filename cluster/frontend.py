@@ -36,8 +36,9 @@ CHARS_PER_TOKEN_BOUND = 32
 
 
 # The request fields the engine's own refusals begin with (n / best_of over max_num_seqs, token
-# ids outside the vocabulary); kvmesh.SamplingParams names them as the OpenAI / vLLM fields.
-ENGINE_NAMED_FIELDS = ("n", "best_of", "stop_token_ids", "logit_bias")
+# ids outside the vocabulary, a grammar with no token left); kvmesh.SamplingParams names them as
+# the OpenAI / vLLM fields.
+ENGINE_NAMED_FIELDS = ("n", "best_of", "stop_token_ids", "logit_bias", "structured_outputs")
 
 
 class Frontend:
@@ -193,13 +194,14 @@ class Frontend:
 
     @staticmethod
     def worker_error(delta: TokenDelta, param: str) -> ApiError:
-        """The error to answer for a request that failed before its first token. An engine
-        refusal about a request field names it first (worker/engine.py Engine.add_request):
-        that field is the `param`; any other is about the prompt (`param`)."""
+        """The error to answer for a request that failed before its first token, or that the
+        engine refused after some (a grammar leading where no token fits). An engine refusal about
+        a request field names it first (worker/engine.py): that field is the `param`; any other is
+        about the prompt (`param`)."""
         message = delta.error or "the request failed"
         if message.startswith("invalid_request: "):
             message = message[len("invalid_request: "):]
-            field = message.split(" ", 1)[0]
+            field = message.split(" ", 1)[0].rstrip(":")
             return ApiError(400, message, param=field if field in ENGINE_NAMED_FIELDS else param)
         return ApiError(503, message, type="server_error", code="worker_failed", retry_after_s=1)
 

@@ -176,7 +176,10 @@ class RequestPipeline:
         last = result.last
         if last is None:
             raise ApiError(503, "no result")
-        if last.finish_reason == "error" and not result.token_ids:
+        refused = (last.error or "").startswith("invalid_request: ")
+        if last.finish_reason == "error" and (not result.token_ids or refused):
+            # before any token, or after some with the request at fault (a grammar leading where no
+            # token fits): the answer is the request's error, not a worker's
             raise self.frontend.worker_error(last, admitted.prompt_param)
         if last.finish_reason == "error":
             raise ApiError(503, last.error or "the request failed", type="server_error",

@@ -397,3 +397,82 @@ def test_grpc_echo_returns_the_prompt_and_its_logprobs(cluster):
     assert not scored[0].HasField("logprob") and all(e.HasField("logprob") for e in scored[1:])
     assert all(e.rank >= 1 and len(e.top) <= 2 for e in scored[1:])
     assert not any(m.prompt_text for m in out[1:])
+
+
+# ---- docs/SERVING.md "Structured outputs and tool calls" (the rest: tests/unit/test_doc_claims_serving_ops.py)
+
+def test_an_ebnf_grammar_as_xgrammar_reads_it_constrains_the_answer(openai_client):
+    """"`grammar` is EBNF (GBNF) as xgrammar reads it": rule references and alternatives."""
+    grammar = 'root ::= city "."\ncity ::= "Paris" | "Rome" | "Oslo"'
+    r = openai_client.chat.completions.create(
+        model=MODEL, max_tokens=10, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of Norway?"}],
+        extra_body={"structured_outputs": {"grammar": grammar}})
+    assert r.choices[0].message.content in ("Paris.", "Rome.", "Oslo.")
+    assert r.choices[0].finish_reason == "stop"
+
+
+# "a" can start it (so the ingress accepts it); after "a" no token fits.
+DEAD_END = {"model": MODEL, "messages": ASK_CITY, "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"regex": "a[^\\s\\S]"}}
+
+
+def test_a_grammar_that_leads_nowhere_after_some_tokens_ends_the_stream_with_finish_reason_error(cluster):
+    """"A grammar that leads, after some tokens, where no token fits ends its request with
+    `finish_reason: "error"`" (streamed: the last chunk, then `data: [DONE]`)."""
+    import urllib.request
+
+    req = urllib.request.Request(cluster.http_url + "/v1/chat/completions",
+                                 json.dumps({**DEAD_END, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        events = [line[len("data: "):] for line in resp.read().decode().split("\n")
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    choices = [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == "a"
+    assert [c["finish_reason"] for c in choices][-1] == "error"
+    assert all(c["finish_reason"] is None for c in choices[:-1])
+
+
+def test_a_grammar_that_leads_nowhere_after_some_tokens_fails_a_whole_request_with_a_400(cluster):
+    """Not streamed, the same request is refused as the request's fault (400 naming
+    `structured_outputs`, no Retry-After: it would fail the same way again), docs/SERVING.md
+    "Structured outputs"."""
+    code, err, headers = post(cluster, "/v1/chat/completions", DEAD_END)
+    assert code == 400, err
+    assert err["error"]["param"] == "structured_outputs" and "Retry-After" not in headers
+    assert "the grammar allows no token" in err["error"]["message"]
+
+
+# ---- docs/SERVING.md "Errors": rows no other test checks exactly (any served model will do) -------
+
+def _raw_post(cluster, raw: bytes):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(cluster.http_url + "/v1/chat/completions", raw,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_a_body_that_is_not_json_is_a_400_with_a_null_param_saying_so(cluster):
+    """"a body that is not JSON ... | 400 | `param` null; the message says the body is not valid
+    JSON"."""
+    status, body = _raw_post(cluster, b'{"model": "' + MODEL.encode() + b'", "messages": [')
+    assert status == 400 and body["error"]["param"] is None, body
+    assert "not valid JSON" in body["error"]["message"]
+
+
+def test_an_unpaired_surrogate_is_a_400_naming_the_fields_path(cluster):
+    """"a string with an unpaired UTF-16 surrogate (`"\\ud800"`) | 400 | the field's path, e.g.
+    `messages.0.content`"."""
+    raw = ('{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800"}]}'
+           % MODEL).encode()
+    status, body = _raw_post(cluster, raw)
+    assert status == 400 and body["error"]["param"] == "messages.0.content", body

@@ -113,6 +113,21 @@ def test_an_engine_refusal_of_a_request_field_names_that_field():
     assert (e.value.status, e.value.param) == (400, "n") and "max_num_seqs" in e.value.message
 
 
+def test_a_whole_request_the_engine_refused_after_tokens_is_a_400_naming_the_field_not_a_503():
+    """A grammar that leads where no token fits, after some tokens (worker/engine.py's message):
+    the request is at fault, so a retry would fail the same way; a stream ends with an error
+    chunk instead (tests/integration/test_structured_serving.py)."""
+    message = "invalid_request: structured_outputs: the grammar allows no token after 1 tokens"
+    p = pipeline(Handle([delta([5]), delta([], "error", message)]))
+
+    async def main():
+        return await p.whole(await p.admit(request()))
+    with pytest.raises(ApiError) as e:
+        asyncio.run(main())
+    assert (e.value.status, e.value.param, e.value.retry_after_s) == (400, "structured_outputs", None)
+    assert e.value.message == "structured_outputs: the grammar allows no token after 1 tokens"
+
+
 def test_a_worker_that_fails_before_the_first_token_is_a_503_worker_failed_to_retry():
     handle = Handle([delta([], "error", "the worker failed: ValueError")])
     with pytest.raises(ApiError) as e:
