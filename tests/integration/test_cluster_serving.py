@@ -684,6 +684,97 @@ def test_lm_eval_runs_a_loglikelihood_and_a_generate_until_task(cluster, tmp_pat
     assert results["kvmesh_capitals"]["sample_len"] == results["kvmesh_addition"]["sample_len"] == 4
 
 
+# ---- docs/SERVING.md claims (before the faults: those kill a replica) ----------------------------
+
+def test_kvmesh_serve_prints_the_http_and_grpc_endpoints_and_the_ray_address(cluster):
+    """Run it: "`kvmesh serve` prints the endpoints (`OpenAI HTTP: http://127.0.0.1:8000/v1`, `gRPC:
+    127.0.0.1:9000`) and the Ray address"."""
+    import re
+
+    log = cluster.log()
+    assert f"OpenAI HTTP: {cluster.http_url}/v1\n" in log, log[-2000:]
+    assert re.search(rf"gRPC:\s+{re.escape(cluster.grpc_target)} ", log), log[-2000:]
+    ray_line = re.search(r"ray:\s+(\S+)", log)
+    assert ray_line and re.fullmatch(r"[\d.]+:\d+", ray_line.group(1)), log[-2000:]
+
+
+def test_grpc_health_watch_serves_both_names_and_streams_service_unknown_for_another(cluster):
+    """API fields: "`grpc.health.v1.Health` answers `Check` and `Watch` for `""` and
+    `kvmesh.v1.Generation` as `/health` does ...; for another service name ... `Watch` streams
+    SERVICE_UNKNOWN"."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service, status in (("kvmesh.v1.Generation", health_pb2.HealthCheckResponse.SERVING),
+                                ("no.such.Service", health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)):
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert next(watch).status == status, service
+            watch.cancel()
+
+
+def test_a_choice_ended_by_length_or_eos_has_a_null_stop_reason(openai_client):
+    """API fields: "Each choice has vLLM's `stop_reason`: the stop string or stop token id that
+    ended it, else null (EOS, length)"."""
+    by_length = openai_client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    by_eos = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                                   temperature=0, logit_bias={"258": 100})
+    for response, finish in ((by_length, "length"), (by_eos, "stop")):
+        choice = response.choices[0]
+        assert choice.finish_reason == finish
+        assert "stop_reason" in choice.model_extra and choice.model_extra["stop_reason"] is None
+
+
+def test_kvmesh_client_streams_the_greedy_chat_answer_over_http_and_grpc(cluster, openai_client):
+    """Use it: `kvmesh client "..." --grpc` streams (over gRPC), `kvmesh client "..."` "the same
+    over HTTP": the user message's greedy chat answer on stdout, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    question = "What is the capital of France?"
+    expected = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6,
+        temperature=0).choices[0].message.content
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    for where in (["--url", cluster.http_url + "/v1"], ["--grpc", "--target", cluster.grpc_target]):
+        run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", question,
+                              "--max-tokens", "6", *where], capture_output=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr.decode(errors="replace")
+        assert run.stdout.decode() == expected + "\n", where
+        assert b"finish_reason=" in run.stderr
+
+
+def test_kvmesh_status_prints_the_health_the_model_and_the_workers(cluster):
+    """Use it: "kvmesh status  # health, model, workers"."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--url", cluster.http_url],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, header = out.stdout.splitlines()[:2]
+    assert first.startswith(f"model: {MODEL}  status: ok  healthy workers: 2"), first
+    assert header.split()[:2] == ["worker", "healthy"]
+
+
+def test_streamed_chat_with_n2_sends_each_choice_under_its_index_as_the_whole_answer(openai_client):
+    """Several completions: "`n` | the same, on chat and completions, streaming or not"; "Streamed,
+    each chunk carries one choice, `index` being its sequence, each with its own `finish_reason`"."""
+    body = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0.8, seed=SEED, n=2)
+    whole = openai_client.chat.completions.create(**body)
+    texts, finishes = {}, {}
+    for chunk in openai_client.chat.completions.create(**body, stream=True):
+        assert len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+
+
 # ---- faults (last: it kills a replica) ------------------------------------------------------------
 
 def test_metrics_export_the_contract_names(cluster):
