@@ -10,6 +10,8 @@ reads the whole head and answers it, here 404: no app). Without the node's hook 
 head gets 404 from the same kind of cluster, so the variable is what brings the limit.
 """
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +41,18 @@ from ray import serve
 ray.init(address=sys.argv[1], logging_level="WARNING")
 serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
 print("proxies started", flush=True)
+"""
+
+# Whether the app's KV event hub is still an actor of the cluster.
+HUB_LEFT = """
+import sys
+import ray
+ray.init(address=sys.argv[1], logging_level="WARNING")
+try:
+    ray.get_actor("kvmesh-kv-events-kvmesh", namespace="serve")
+    print("hub: alive")
+except ValueError:
+    print("hub: gone")
 """
 
 
@@ -91,7 +105,7 @@ def test_a_proxy_of_a_cluster_started_with_ray_start_answers_431_only_with_the_n
 def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path, node_hook):
     """`kvmesh serve --address`: the job's runtime_env carries the hook and the config's
     server.max_header_bytes to the proxies it starts, whether the nodes name the hook (as
-    deploy/aws.yaml's do: the two agree) or not."""
+    deploy/aws.yaml's do: the two agree) or not; and it removes the KV event hub when it stops."""
     max_header_bytes = 16_384
     config = tmp_path / "kvmesh.yaml"
     config.write_text(yaml.safe_dump({
@@ -117,6 +131,13 @@ def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path,
                 sock.sendall(request("GET", "/v1/models", headers={"X-Fill": "a" * (max_header_bytes // 2)}))
                 status, head = status_and_head(sock)
             assert status == 200, head
+            # SERVING.md: `kvmesh serve` removes the KV event hub when it stops, also on a Ray
+            # cluster it joined (the detached actor would outlive it there)
+            os.kill(namespace.child_of(serve.pid), signal.SIGINT)
+            assert serve.wait(120) == 0, log.read_text()[-4000:]
+            hub = subprocess.run(namespace.command([sys.executable, "-c", HUB_LEFT, gcs]), env=env,
+                                 capture_output=True, text=True, timeout=180)
+            assert hub.stdout.strip().endswith("hub: gone"), (hub.stdout, hub.stderr[-2000:])
         finally:
             serve.kill()  # nsenter; the namespace's close ends what it started
             serve.wait(30)

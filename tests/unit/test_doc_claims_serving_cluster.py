@@ -175,23 +175,6 @@ def test_the_hub_is_a_detached_zero_cpu_actor_named_after_the_app_in_the_serve_n
     assert event_hub.KVEventHub._default_options["num_cpus"] == 0
 
 
-@pytest.mark.parametrize("own_ray", [True, False])
-def test_kvmesh_serve_removes_the_hub_when_it_stops(monkeypatch, own_ray):
-    """Intro: "`kvmesh serve` removes the hub when it stops" (its own Ray or one it joined)."""
-    import ray
-    from ray import serve
-
-    from kvmesh.cluster import event_hub, launcher
-
-    done = []
-    monkeypatch.setattr(serve, "delete", lambda name: done.append(("delete", name)))
-    monkeypatch.setattr(serve, "shutdown", lambda: done.append(("serve.shutdown",)))
-    monkeypatch.setattr(ray, "shutdown", lambda: done.append(("ray.shutdown",)))
-    monkeypatch.setattr(event_hub, "kill_hub", lambda app: done.append(("kill_hub", app)))
-    launcher.shutdown(parse_config({"model": MODEL}), own_ray=own_ray)
-    assert done[:2] == [("delete", "kvmesh"), ("kill_hub", "kvmesh")]
-
-
 # ---- kvmesh serve's options ----------------------------------------------------------------------
 
 def serve_args(*argv):
