@@ -194,10 +194,11 @@ class Frontend:
 
     @staticmethod
     def worker_error(delta: TokenDelta, param: str) -> ApiError:
-        """The error to answer for a request that failed before its first token, or that the
-        engine refused after some (a grammar leading where no token fits). An engine refusal about
-        a request field names it first (worker/engine.py): that field is the `param`; any other is
-        about the prompt (`param`)."""
+        """The error to answer for a request that ended in an error, before its first token or
+        after some. The engine's refusals (worker/engine.py; after some tokens: a grammar leading
+        where no token fits) are the request's 400: one about a request field names it first, and
+        that field is the `param`; any other is about the prompt (`param`). Anything else is the
+        worker's failure, a 503 to retry."""
         message = delta.error or "the request failed"
         if message.startswith("invalid_request: "):
             message = message[len("invalid_request: "):]

@@ -176,14 +176,8 @@ class RequestPipeline:
         last = result.last
         if last is None:
             raise ApiError(503, "no result")
-        refused = (last.error or "").startswith("invalid_request: ")
-        if last.finish_reason == "error" and (not result.token_ids or refused):
-            # before any token, or after some with the request at fault (a grammar leading where no
-            # token fits): the answer is the request's error, not a worker's
-            raise self.frontend.worker_error(last, admitted.prompt_param)
         if last.finish_reason == "error":
-            raise ApiError(503, last.error or "the request failed", type="server_error",
-                           code="worker_failed", retry_after_s=1)
+            raise self.frontend.worker_error(last, admitted.prompt_param)
         self.frontend.account(routed, result.first_token_seen, last, len(result.token_ids), 200,
                               result.token_gaps.gaps)
         return result

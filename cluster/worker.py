@@ -166,29 +166,29 @@ class KVWorker:
         except Exception as e:
             logger.warning("kvmesh worker %s: announcing to the KV event hub failed: %r", self.worker_id, e)
 
+    async def _stepped_or(self, timeout_s: float) -> None:
+        """Wait for the engine's next step, or timeout_s, whichever comes first."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
     async def _publish_forever(self):
         interval = self.config.routing.load_report_interval_s
         block_size = self.config.engine.block_size
         last_load_sent = 0.0  # when the last report was sent (its start)
         await self._announce()
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(),
-                                       timeout=max(0.0, last_load_sent + HEARTBEAT_S - time.monotonic()))
-            except asyncio.TimeoutError:
-                pass  # idle: still report the load now and then (it is the worker's heartbeat)
-            self._wake.clear()
+            # idle: still report the load now and then (it is the worker's heartbeat)
+            await self._stepped_or(last_load_sent + HEARTBEAT_S - time.monotonic())
             batches = self.loop.take_kv_batches()
             now = time.monotonic()
             # With no KV event, only the load is due, and not before `interval`; a KV batch
             # produced meanwhile goes out at once (it is what other router copies route on).
             deadline = last_load_sent + interval
             while not batches and now < deadline:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=deadline - now)
-                except asyncio.TimeoutError:
-                    pass
-                self._wake.clear()
+                await self._stepped_or(deadline - now)
                 batches = self.loop.take_kv_batches()
                 now = time.monotonic()
             last_load_sent = now

@@ -70,15 +70,14 @@ class BlockManager:
         """Grow request.block_ids to hold its computed tokens, the cached `computed_blocks` (from
         get_computed_blocks, for a request being admitted) and `num_new_tokens` more. False,
         changing nothing, when the free list cannot supply the blocks."""
-        if (not computed_blocks and request.num_computed_tokens + num_new_tokens
-                <= len(request.block_ids) * self.block_size
-                and self._shared_tail(request, num_new_tokens) is None):
+        shared_tail = self._shared_tail(request, num_new_tokens)
+        if (not computed_blocks and shared_tail is None and request.num_computed_tokens + num_new_tokens
+                <= len(request.block_ids) * self.block_size):
             return True  # a decode with room in its last block: most calls, once per sequence per step
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         needed = max(0, self.blocks_needed(num_tokens) - len(request.block_ids) - len(computed_blocks))
         # cached blocks that are free now are revived: they come off the free list too
         num_revived = sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
-        shared_tail = self._shared_tail(request, num_new_tokens)
         if needed + num_revived + (shared_tail is not None) > len(self._free):
             return False
         if shared_tail is not None:

@@ -304,8 +304,7 @@ class Engine:
                     logprob, top = result.logprobs[i], result.top_logprobs[i]
                     req.logprobs.append(logprob)
                     req.top_logprobs.append(top)
-                if len(req.block_hashes) > req.num_cached_blocks:  # a block filled (1 step in 16+)
-                    self.scheduler.cache_computed_blocks(req)
+                self.scheduler.cache_computed_blocks(req)
                 finish = self._check_finish(req, token)
                 if finish is not None:
                     self._finish(req, finish)

@@ -156,18 +156,11 @@ def test_a_client_leaving_the_direct_port_aborts_its_request(cluster):
 def request_totals(url: str) -> tuple[float, float]:
     """(kvmesh_requests_total of status 200, vllm:request_success_total of every finished_reason)
     in one scrape of `url`."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from reliability_support import metrics
 
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    answered = finished = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "kvmesh_requests_total" and s.labels == {"model": MODEL, "status": "200"}:
-                answered += s.value
-            elif s.name == "vllm:request_success_total":
-                finished += s.value
-    return answered, finished
+    found = metrics(url)
+    return (found[f'kvmesh_requests_total{{model="{MODEL}",status="200"}}'],
+            sum(v for k, v in found.items() if k.startswith("vllm:request_success_total{")))
 
 
 def scrapes(cluster):
