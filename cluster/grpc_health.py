@@ -61,13 +61,13 @@ def add_reflection_v1(_servicer, server) -> None:
 
 class HealthService:
     """grpc.health.v1.Health's methods, mixed into the Ingress deployment (which provides
-    self.hub, self.config and self._check_key)."""
+    self.hub_loads, self.config and self._check_key)."""
 
     async def _serving(self, service: str) -> int:
         if service not in SERVICES:
             return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-        loads, _ = await self.hub.loads.remote()
-        health = cluster_health(loads, self.config.scales_to_zero)  # as /health (cluster/status.py)
+        answer = await self.hub_loads.get()  # None: the hub did not answer in time
+        health = cluster_health(answer and answer[0], self.config.scales_to_zero)  # as /health
         return (health_pb2.HealthCheckResponse.SERVING if health.serving
                 else health_pb2.HealthCheckResponse.NOT_SERVING)
 

@@ -136,8 +136,8 @@ def _response(delta: TokenDelta, label: str, stream: DeltaStream) -> pb.Generate
 
 
 class GrpcService:
-    """Mixed into the Ingress deployment (which provides self.pipeline, self.frontend, self.hub
-    and self.api_keys)."""
+    """Mixed into the Ingress deployment (which provides self.pipeline, self.frontend,
+    self.hub_loads and self.api_keys)."""
 
     @property
     def _in_flight(self) -> dict[tuple[str, str], asyncio.Event]:
@@ -188,8 +188,8 @@ class GrpcService:
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         self._check_key("health", grpc_context)
-        loads, _ = await self.hub.loads.remote()
-        health = cluster_health(loads, self.config.scales_to_zero)
+        answer = await self.hub_loads.get()  # None: the hub did not answer in time
+        health = cluster_health(answer and answer[0], self.config.scales_to_zero)
         return pb.HealthResponse(healthy=health.serving, num_workers=health.workers,
                                  model=self.frontend.model_name)
 

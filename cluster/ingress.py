@@ -22,14 +22,14 @@ from ray import serve
 
 from kvmesh.cluster import process_metrics
 from kvmesh.cluster.auth import ApiKeys
-from kvmesh.cluster.event_hub import get_or_create_hub
+from kvmesh.cluster.event_hub import get_or_create_hub, hub_name
 from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
 from kvmesh.cluster.shared_metrics import publish_forever
-from kvmesh.cluster.status import cluster_health, worker_rows
+from kvmesh.cluster.status import HubLoads, cluster_health, worker_rows
 from kvmesh.cluster.structured_request import parse_structured
 from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
 from kvmesh.cluster import tool_parser
@@ -229,15 +229,15 @@ class Ingress(GrpcService, HealthService):
     def __init__(self, workers, config: dict):
         self.config = parse_config(config)
         self.frontend = Frontend(self.config, workers)
-        self.hub = get_or_create_hub(self.config.app_name)
+        by_name = functools.partial(get_or_create_hub, self.config.app_name)
+        self.hub_loads = HubLoads(by_name, hub_name(self.config.app_name), hub=by_name())
         self.api_keys = ApiKeys.from_server_config(self.config.server)
         self.limits = RequestLimits(self.config.limits)
         self.pipeline = RequestPipeline(self.frontend, self.limits, self.api_keys)
         self.created = int(time.time())  # the model cards' `created`: when this replica started
         process_metrics.register(self.frontend.metrics.registry)
         self._metrics_publisher = asyncio.get_running_loop().create_task(publish_forever(
-            self.frontend.metrics, serve.get_replica_context().replica_id.unique_id,
-            functools.partial(get_or_create_hub, self.config.app_name)))
+            self.frontend.metrics, serve.get_replica_context().replica_id.unique_id, by_name))
         if self.config.server.direct_http_port:  # the same app on this replica's own server
             from kvmesh.cluster.direct_http import serve_direct, shared_socket
 
@@ -260,8 +260,8 @@ class Ingress(GrpcService, HealthService):
     async def health(self, request: Request):
         if (denied := self._auth(request, "health")) is not None:
             return denied
-        loads, _ = await self.hub.loads.remote()
-        health = cluster_health(loads, self.config.scales_to_zero)
+        answer = await self.hub_loads.get()  # None: the hub did not answer in time
+        health = cluster_health(answer and answer[0], self.config.scales_to_zero)
         return JSONResponse(health.body(), status_code=health.http_status)
 
     @app.get("/v1/models")
@@ -332,18 +332,24 @@ class Ingress(GrpcService, HealthService):
 
     @app.get("/v1/kvmesh/workers")
     async def workers(self, request: Request):
-        """Per-worker load, KV usage and prefix hit rate (what `kvmesh status` prints)."""
+        """Per-worker load, KV usage and prefix hit rate (what `kvmesh status` prints); a 503
+        naming the KV event hub when it does not answer in time (cluster/status.py HubLoads)."""
         if (denied := self._auth(request)) is not None:
             return denied
-        loads, stats = await self.hub.loads.remote()
-        return {"model": self.frontend.model_name, "workers": worker_rows(loads, stats)}
+        answer = await self.hub_loads.get()
+        if answer is None:  # not counted in kvmesh_requests_total: not an API request
+            return _error_response(ApiError(503, self.hub_loads.unavailable_message(),
+                                            type="server_error", code="kv_event_hub_unavailable",
+                                            retry_after_s=1))
+        return {"model": self.frontend.model_name, "workers": worker_rows(*answer)}
 
     @app.get("/metrics")
     async def metrics(self, request: Request):
         if (denied := self._auth(request, "metrics")) is not None:
             return denied
-        loads, stats = await self.hub.loads.remote()
-        return Response(self.frontend.metrics.render(loads, stats),
+        answer = await self.hub_loads.get()  # None: the hub did not answer; a scrape still does
+        loads, stats = answer or ({}, {})
+        return Response(self.frontend.metrics.render(loads, stats, hub_up=answer is not None),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/openapi.json", include_in_schema=False)

@@ -3,7 +3,8 @@ Grafana dashboard and are documented in docs/METRICS.md.
 
 Request metrics are observed by the ingress replica as requests finish, and exported summed with
 every other ingress replica's (shared_metrics.py). Per-worker gauges are read at scrape time from
-the KV event hub's latest loads (so a removed worker's series disappear).
+the KV event hub's latest loads (so a removed worker's series disappear); a scrape the hub did not
+answer leaves them out and says so (`kvmesh_kv_event_hub_up` 0).
 
 Every metric is also exported under vLLM's name and labels (`vllm:...`, `model_name`, per worker
 `engine`), so dashboards, alerts and autoscaling rules written for vLLM read a kvmesh cluster.
@@ -37,9 +38,13 @@ class _WorkerCollector:
     def __init__(self):
         self.loads: dict = {}
         self.stats: dict = {}
+        self.hub_up = True  # the hub answered this scrape; if not, loads and stats mean nothing
         self.model_name = ""
 
     def collect(self):
+        up = GaugeMetricFamily("kvmesh_kv_event_hub_up", "1 if the KV event hub answered this scrape's request for the workers' loads in time, else 0 (the per-worker gauges and kvmesh_replicas are then left out).", value=int(self.hub_up))
+        if not self.hub_up:  # no worker series rather than ones saying there are no workers
+            return [up]
         queue = GaugeMetricFamily("kvmesh_queue_depth", "Requests waiting in a worker's scheduler.", labels=["worker"])
         running = GaugeMetricFamily("kvmesh_running_requests", "Requests running in a worker.", labels=["worker"])
         kv = GaugeMetricFamily("kvmesh_kv_usage_ratio", "Fraction of a worker's KV blocks in use.", labels=["worker"])
@@ -59,7 +64,7 @@ class _WorkerCollector:
             served.add_metric([wid], s.get("requests", 0))
             preempted.add_metric([wid], s.get("preemptions", 0))
         replicas.add_metric([WORKER_DEPLOYMENT], len(set(self.loads) | set(self.stats)))
-        return [queue, running, kv, hit, free, served, preempted, replicas] + self._vllm()
+        return [queue, running, kv, hit, free, served, preempted, replicas, up] + self._vllm()
 
     def _vllm(self) -> list:
         """The same gauges under vLLM's names: one series per worker (`engine`)."""
@@ -165,8 +170,9 @@ class IngressMetrics:
     def own_samples(self) -> Samples:
         return samples_of(self.own)
 
-    def render(self, loads: dict, stats: dict) -> bytes:
-        self.workers.loads, self.workers.stats = loads, stats
+    def render(self, loads: dict, stats: dict, hub_up: bool = True) -> bytes:
+        """The scrape's text; hub_up False: the hub did not answer, so no worker series."""
+        self.workers.loads, self.workers.stats, self.workers.hub_up = loads, stats, hub_up
         return generate_latest(WithOthers(self.registry, self.others))
 
 

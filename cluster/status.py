@@ -1,10 +1,19 @@
 """What `kvmesh status` shows: one row per worker replica from the loads and counters the workers
-publish to the KV event hub (the same numbers /metrics exports); and what /health and gRPC Health
-answer from the same loads."""
+publish to the KV event hub (the same numbers /metrics exports); what /health and gRPC Health
+answer from the same loads; and how the ingress asks the hub for them (HubLoads)."""
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
 from kvmesh.protocol import WorkerLoad
+
+logger = logging.getLogger("kvmesh.cluster")
+
+# How long /metrics and /v1/kvmesh/workers wait for the KV event hub's loads. Ray queues calls to
+# a hub that is restarting, and a stalled one never answers: unbounded, a scrape would hang past
+# Prometheus's own timeout (10 s by default) and lose the ingress's request metrics with it.
+HUB_TIMEOUT_S = 2.0
 
 COLUMNS = ("worker", "healthy", "running", "waiting", "kv_used", "kv_blocks", "hit_rate", "requests",
            "tokens_out", "preempted", "ttft_p90_s", "step_ms")
@@ -61,7 +70,7 @@ def _cell(column: str, value) -> str:
 
 @dataclass(frozen=True)
 class Health:
-    status: str  # "ok", "scaled_to_zero" or "no_workers"
+    status: str  # "ok", "scaled_to_zero", "no_workers" or "kv_event_hub_unavailable"
     workers: int  # healthy worker replicas
     serving: bool  # a request sent now is answered (at zero: once a replica has started)
 
@@ -73,13 +82,56 @@ class Health:
         return {"status": self.status, "workers": self.workers}
 
 
-def cluster_health(loads: dict[str, WorkerLoad], scales_to_zero: bool) -> Health:
+def cluster_health(loads: dict[str, WorkerLoad] | None, scales_to_zero: bool) -> Health:
     """Healthy workers: ok. None at all where autoscaling may go to zero replicas: the deployment
     is scaled to zero, and a request starts one (a load balancer must keep sending, or it never
-    wakes). Otherwise (none yet, or all of them failed): no_workers, 503."""
+    wakes). Otherwise (none yet, or all of them failed): no_workers, 503. `loads` None (the KV
+    event hub did not answer within HUB_TIMEOUT_S, HubLoads): kv_event_hub_unavailable, 503, as
+    the workers' health is unknown, rather than a probe left waiting."""
+    if loads is None:
+        return Health("kv_event_hub_unavailable", 0, False)
     healthy = sum(1 for load in loads.values() if load.healthy)
     if healthy:
         return Health("ok", healthy, True)
     if scales_to_zero and not loads:
         return Health("scaled_to_zero", 0, True)
     return Health("no_workers", 0, False)
+
+
+class HubLoads:
+    """The workers' loads and counters as the KV event hub holds them, asked with a bound.
+
+    `get()` is None when the hub did not answer within timeout_s or failed (restarting, stalled,
+    or killed for good): the caller answers without them. A failure is logged once per streak of
+    failures, and the next call asks for the hub by name again (`get_hub`), since a handle to an
+    actor killed for good stays dead while the hub is created again (event_hub.get_or_create_hub).
+    Any exception counts as a failure, as in shared_metrics.publish_forever: whatever went wrong,
+    the hub's numbers are missing and the ingress's own are still good."""
+
+    def __init__(self, get_hub, name: str, timeout_s: float = HUB_TIMEOUT_S, hub=None):
+        self._get_hub, self.name, self.timeout_s, self._hub = get_hub, name, timeout_s, hub
+        self.failing = False
+        self.problem = ""  # what the last failure was, for error answers
+
+    async def get(self) -> tuple[dict, dict] | None:
+        try:
+            if self._hub is None:
+                self._hub = self._get_hub()
+            loads, stats = await asyncio.wait_for(self._hub.loads.remote(), self.timeout_s)
+        except Exception as e:  # noqa: BLE001 (see the class docstring)
+            self.problem = (f"did not answer within {self.timeout_s:g} s"
+                            if isinstance(e, TimeoutError) else f"failed: {type(e).__name__}")
+            if not self.failing:
+                logger.warning("kvmesh ingress: the KV event hub %s %s; /metrics leaves out the "
+                               "worker gauges and /v1/kvmesh/workers answers 503 until it answers "
+                               "(logged once until then): %r", self.name, self.problem, e)
+            self._hub, self.failing = None, True
+            return None
+        if self.failing:
+            logger.info("kvmesh ingress: the KV event hub %s answers again", self.name)
+        self.failing = False
+        return loads, stats
+
+    def unavailable_message(self) -> str:
+        return (f"the KV event hub (Ray actor {self.name}) {self.problem}: the workers' loads are "
+                "unknown until it answers (it restarts by itself; try again in a few seconds)")

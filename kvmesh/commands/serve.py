@@ -214,6 +214,8 @@ def _status_from_http(args) -> dict:
 
     health = get("/health")
     workers = get("/v1/kvmesh/workers")
+    if "error" in workers:  # e.g. a 503 while the KV event hub does not answer
+        raise ValueError(f"{base}/v1/kvmesh/workers: {workers['error']['message']}")
     return {"model": workers.get("model"), "status": health.get("status", "error"),
             "workers": workers.get("workers", [])}
 

@@ -10,6 +10,8 @@ below the `kvmesh serve` process by pid), and checks:
   (replicas, KV index) recovers; a worker whose engine child alone is killed or stopped is dropped
   or drained by the engine's own liveness (the actor's heartbeat would say all is well);
 - every error answer is JSON (never a plain-text 5xx);
+- a stopped KV event hub leaves /metrics answering (request metrics, `kvmesh_kv_event_hub_up` 0)
+  and /v1/kvmesh/workers a 503 naming it, both within the bound, until it is back;
 - an abort storm (hundreds of clients disconnecting mid-stream, HTTP and gRPC) leaves every KV block
   free.
 
@@ -273,6 +275,51 @@ def test_a_restarted_kv_event_hub_resyncs_the_index_under_load(cluster):
         return status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 10
 
     wait_until(second_hits, 20, interval_s=0.5, what="a cached prefix routed to its worker")
+
+
+def test_metrics_and_worker_status_answer_while_the_kv_event_hub_does_not(cluster):
+    """docs/METRICS.md "When the KV event hub does not answer": a stopped hub (SIGSTOP: it never
+    answers, as one that is stuck) costs a scrape at most the bound and leaves the ingress's own
+    request metrics in it, without worker series, with kvmesh_kv_event_hub_up 0;
+    /v1/kvmesh/workers answers a 503 naming the hub. Killed then (Ray restarts it), the hub
+    answers again and so do the worker gauges."""
+    from kvmesh.cluster.status import HUB_TIMEOUT_S
+
+    status, _, _ = http(cluster.http_url + "/v1/completions",
+                        {"model": MODEL, "prompt": "counted before the hub stops", "max_tokens": 1})
+    assert status == 200
+    up = wait_until(lambda: (lambda m: m if m.get("kvmesh_kv_event_hub_up") == 1
+                             and counter_total(m, "kvmesh_requests_total") > 0 else None)(
+        metrics(cluster.http_url)), 30, what="the hub answering scrapes")
+    assert len(per_worker(up, "kvmesh_kv_free_blocks")) == 2
+    (hub,) = ray_processes(cluster, "KVEventHub")
+    hub.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        down = metrics(cluster.http_url)  # raises unless 200
+        took = time.monotonic() - started
+        status, body, _ = http(cluster.http_url + "/v1/kvmesh/workers", timeout=30)
+        health_status, health, _ = http(cluster.http_url + "/health", timeout=30)
+    finally:
+        hub.send_signal(signal.SIGKILL)  # stopped, then killed: Ray starts it again
+    print(f"scrape while the hub was stopped: {took:.2f} s")
+    assert HUB_TIMEOUT_S <= took < HUB_TIMEOUT_S + 3
+    assert down["kvmesh_kv_event_hub_up"] == 0
+    assert counter_total(down, "kvmesh_requests_total") >= counter_total(up, "kvmesh_requests_total") > 0
+    assert not [k for k in down if k.startswith(("kvmesh_kv_free_blocks", "kvmesh_replicas",
+                                                 "vllm:num_requests_running"))]
+    assert status == 503, (status, body)
+    assert body["error"]["code"] == "kv_event_hub_unavailable"
+    assert "the KV event hub (Ray actor kvmesh-kv-events-" in body["error"]["message"]
+    assert (health_status, health) == (503, {"status": "kv_event_hub_unavailable", "workers": 0})
+    # the restarted hub answers, and hears from both workers again
+    back = wait_until(lambda: (lambda m: m if m.get("kvmesh_kv_event_hub_up") == 1
+                               and len(per_worker(m, "kvmesh_kv_free_blocks")) == 2 else None)(
+        metrics(cluster.http_url)), 60, interval_s=0.5, what="the hub back, with both workers")
+    assert back["kvmesh_replicas{deployment=\"KVWorker\"}"] == 2
+    status, body, _ = http(cluster.http_url + "/v1/kvmesh/workers", timeout=30)
+    assert status == 200 and len(body["workers"]) == 2, (status, body)
+    assert http(cluster.http_url + "/health", timeout=30)[:2] == (200, {"status": "ok", "workers": 2})
 
 
 # ---- kill a worker's engine process -----------------------------------------------------------------
