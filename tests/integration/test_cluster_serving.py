@@ -698,6 +698,25 @@ def test_kvmesh_serve_prints_the_http_and_grpc_endpoints_and_the_ray_address(clu
     assert ray_line and re.fullmatch(r"[\d.]+:\d+", ray_line.group(1)), log[-2000:]
 
 
+def test_direct_http_port_0_opens_no_port_on_the_ingress_replicas_and_grpc_is_on_its_port(cluster):
+    """Run it: "`--grpc-port` (0 = no gRPC), `--direct-http-port` (the ingress replicas' own HTTP
+    port ...; 0 = off)". This cluster has gRPC on and the direct port at its default, 0: no ingress
+    replica answers HTTP on any port, and kvmesh's gRPC answers on the proxy's gRPC port only
+    (--grpc-port 0: test_patches_on_started_clusters.py; a direct port set: test_listeners.py)."""
+    from listener_probes import answers_http, answers_kvmesh_grpc, listening_ports
+    from reliability_support import ray_processes
+
+    log = cluster.log()
+    assert "(direct to the ingress replicas)" not in log, log[-2000:]
+    ingress = ray_processes(cluster, "Ingress")
+    ports = listening_ports(ingress)
+    assert ingress and ports, ingress  # each has Ray's and Serve's internal gRPC servers
+    assert [port for port in ports if answers_http(port)] == [], ports
+    assert answers_http(cluster.http_port)  # the probe: Serve's HTTP proxy answers it
+    proxies = ray_processes(cluster, "ProxyActor")
+    assert {port for port in listening_ports(proxies) if answers_kvmesh_grpc(port)} == {cluster.grpc_port}
+
+
 def test_grpc_health_watch_serves_both_names_and_streams_service_unknown_for_another(cluster):
     """API fields: "`grpc.health.v1.Health` answers `Check` and `Watch` for `""` and
     `kvmesh.v1.Generation` as `/health` does ...; for another service name ... `Watch` streams

@@ -1,12 +1,11 @@
 """docs/DEPLOY.md and README.md, outside the Helm chart: behaviours they state that no other unit
 test would catch if they stopped being true (the images' versions and users, the `ray up` node
-types, a local `kvmesh serve`'s Ray, the defaults the README quotes). Nothing here starts Ray or
-reaches a network: ray.init is replaced by one that records its arguments and stops.
-The Helm chart's claims are in test_doc_claims_deploy_helm.py."""
+types, the defaults the README quotes). Nothing here starts Ray or reaches a network: the Ray a
+local `kvmesh serve` starts or joins is checked on a real one in
+tests/integration/test_doc_claims_ray_live.py. The Helm chart's claims are in
+test_doc_claims_deploy_helm.py."""
 
 import inspect
-import io
-import os
 import re
 import sys
 from pathlib import Path
@@ -92,55 +91,8 @@ def test_the_build_context_leaves_out_the_docs():
 
 # ---- One machine: the Ray a `kvmesh serve` starts or joins ------------------------------------
 
-class RayInitCalled(Exception):
-    pass
-
-
-@pytest.fixture
-def ray_init_kwargs(monkeypatch):
-    """start_ray up to ray.init, which records its keyword arguments and stops (no Ray starts);
-    token auth off so nothing is written under ~/.ray; the environment is put back afterwards."""
-    import ray
-
-    from kvmesh.cluster import launcher
-
-    saved = dict(os.environ)
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    seen = {}
-
-    def init(**kwargs):
-        seen.update(kwargs)
-        raise RayInitCalled
-
-    monkeypatch.setattr(ray, "init", init)
-
-    def start(cfg, address=None):
-        with pytest.raises(RayInitCalled):
-            launcher.start_ray(cfg, address, out=io.StringIO())
-        return seen
-
-    yield start
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_a_local_kvmesh_serve_starts_its_ray_without_a_dashboard(ray_init_kwargs):
-    """DEPLOY.md: "not on the one-machine kvmesh serve, which starts its Ray without a dashboard"."""
-    kwargs = ray_init_kwargs(serving.ServeConfig())
-    assert kwargs["include_dashboard"] is False
-    assert "address" not in kwargs
-
-
-def test_kvmesh_serve_address_passes_the_worker_hook_with_the_server_settings(ray_init_kwargs):
-    """DEPLOY.md: "The head's kvmesh serve --address auto also passes the hook with
-    deploy/serve.yaml's server.* settings to the Serve processes it starts"."""
-    from kvmesh.cluster.launcher import listener_env
-    from kvmesh.cluster.ray_patches import HOOK
-
-    cfg = serving.load_config(str(REPO / "deploy" / "serve.yaml"))
-    kwargs = ray_init_kwargs(cfg, address="auto")
-    assert kwargs["address"] == "auto"
-    assert kwargs["runtime_env"] == {"worker_process_setup_hook": HOOK, "env_vars": listener_env(cfg)}
+# A local `kvmesh serve`'s Ray without a dashboard, and `--address` passing the worker hook with the
+# config's settings: on a real Ray in tests/integration/test_doc_claims_ray_live.py.
 
 
 def test_deploy_serve_yaml_asks_for_two_gpu_replicas():

@@ -6,9 +6,9 @@ fields": test_doc_claims_serving_api.py).
   after the first wait for `server.stream_interval` tokens, except with n > 1; a caller that goes
   away aborts the request on the engine;
 - the KV-aware request router: one replica per rank, ranked on the request's block hashes;
-- the KV event hub: named per app, detached, 0 CPUs, removed when `kvmesh serve` stops;
-- `kvmesh serve`'s options over the config, `--grpc-port 0` (no gRPC), `--direct-http-port 0`;
-- tensor parallelism's rendezvous and loopback interfaces;
+- `kvmesh serve`'s options over the config;
+- tensor parallelism's rendezvous and loopback interfaces (two real gloo ranks in processes of
+  their own);
 - `kvmesh client`'s default endpoints;
 - lm-eval in CI: the README's test command installs the `[eval]` extra.
 """
@@ -19,8 +19,6 @@ import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-import torch
 
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
@@ -157,22 +155,8 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
 
 # ---- the KV event hub ------------------------------------------------------------------------------
 
-def test_the_hub_is_a_detached_zero_cpu_actor_named_after_the_app_in_the_serve_namespace(monkeypatch):
-    """Intro: "a named, detached Ray actor per app (`kvmesh-kv-events-<app>`, namespace `serve`)";
-    "the hub (0 CPUs) stays"."""
-    from kvmesh.cluster import event_hub
-
-    asked = {}
-
-    class Options:
-        def remote(self):
-            return "handle"
-
-    monkeypatch.setattr(event_hub.KVEventHub, "options", lambda **kw: asked.update(kw) or Options())
-    assert event_hub.get_or_create_hub("myapp") == "handle"
-    assert asked == {"name": "kvmesh-kv-events-myapp", "namespace": "serve", "get_if_exists": True,
-                     "lifetime": "detached"}
-    assert event_hub.KVEventHub._default_options["num_cpus"] == 0
+# Named, detached, 0 CPUs, in namespace `serve`: on a real Ray in
+# tests/integration/test_doc_claims_ray_live.py.
 
 
 # ---- kvmesh serve's options ----------------------------------------------------------------------
@@ -204,54 +188,98 @@ def test_kvmesh_serve_options_override_the_config(tmp_path):
     assert load_with_overrides(serve_args(str(config))).server.grpc_port == 9000  # no option: the file's
 
 
-@pytest.mark.parametrize("grpc_port, direct_port", [(0, 0), (9100, 8200)])
-def test_grpc_port_0_starts_no_grpc_and_direct_http_port_0_no_direct_port(monkeypatch, grpc_port, direct_port):
-    """Run it: "`--grpc-port` (0 = no gRPC), `--direct-http-port` (the ingress replicas' own HTTP
-    port ...; 0 = off)"."""
-    from ray import serve
-
-    from kvmesh.cluster import app, launcher
-
-    started = {}
-    monkeypatch.setattr(serve, "start", lambda **kw: started.update(kw))
-    monkeypatch.setattr(serve, "run", lambda *a, **kw: None)
-    monkeypatch.setattr(app, "build_app", lambda args: args)
-    cfg = parse_config({"model": MODEL, "server": {"grpc_port": grpc_port, "direct_http_port": direct_port}})
-    endpoints = launcher.deploy(cfg)
-    assert endpoints["http"] == "http://127.0.0.1:8000/v1"
-    if grpc_port:
-        assert started["grpc_options"].port == grpc_port and endpoints["grpc"] == "127.0.0.1:9100"
-        assert endpoints["http_direct"] == "http://127.0.0.1:8200/v1"
-    else:
-        assert started["grpc_options"] is None and "grpc" not in endpoints
-        assert "http_direct" not in endpoints
+# `--grpc-port 0` (no gRPC) and `--direct-http-port 0` (off) on running clusters:
+# tests/integration/test_patches_on_started_clusters.py (both 0) and test_cluster_serving.py
+# (gRPC on, direct 0); a direct port set: test_listeners.py, test_cluster_ingress_replicas.py.
 
 
 # ---- tensor parallelism ------------------------------------------------------------------------------
 
-def test_tensor_parallel_ranks_meet_through_a_private_file_with_loopback_socket_interfaces(monkeypatch):
+# One rank of a CPU group, as a worker's engine and its followers join it (tensor_parallel.init_group
+# with the rendezvous file): an all-reduce, then what the rank saw. A rank whose join fails says why.
+TP_RANK = """
+import json, os, sys
+import psutil, torch
+from kvmesh.worker import tensor_parallel
+rank, size, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def env():
+    return {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+try:
+    tp = tensor_parallel.init_group(rank, size, path, torch.device("cpu"))
+except Exception as e:
+    print(json.dumps({"error": str(e), "env": env()}))
+    sys.exit(0)
+x = torch.tensor([rank + 1.0])
+tp.all_reduce(x)
+def ip(address):  # 127.0.0.1 on an IPv6 socket is ::ffff:127.0.0.1
+    return address.ip.removeprefix("::ffff:") if address else None
+sockets = [[ip(c.laddr), ip(c.raddr), c.status] for c in psutil.Process().net_connections("inet")]
+print(json.dumps({"sum": x.item(), "env": env(), "store": os.path.isfile(path), "sockets": sockets}))
+tensor_parallel.destroy_group()
+"""
+
+
+def _run_ranks(size: int, path: str, **env) -> list[dict]:
+    """`size` rank processes of one group (TP_RANK), run to their end; what each printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    procs = [subprocess.Popen([sys.executable, "-c", TP_RANK, str(rank), str(size), path],
+                              env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT) for rank in range(size)]
+    out = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=180)
+            assert proc.returncode == 0, stderr[-3000:]
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return out
+
+
+def test_tensor_parallel_ranks_meet_through_a_private_file_with_loopback_socket_interfaces():
     """Tensor parallelism: "The ranks meet through a file in a private temporary directory (no
     rendezvous port), and gloo and NCCL keep their sockets on the loopback interface
     (`GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` default to `lo`)"."""
     import os
+    import shutil
     import stat
 
     from kvmesh.worker import tensor_parallel
 
-    joined = {}
-    monkeypatch.setattr(tensor_parallel.dist, "init_process_group",
-                        lambda backend, init_method, **kw: joined.update(backend=backend, init_method=init_method))
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     path = tensor_parallel.rendezvous_file()
-    tensor_parallel.init_group(0, 2, path, torch.device("cpu"))
-    assert joined == {"backend": "gloo", "init_method": f"file://{path}"}
-    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
-    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700  # this user's only
-    os.rmdir(os.path.dirname(path))
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # a default: the operator's setting stays
-    tensor_parallel.init_group(0, 2, path, torch.device("cpu"))
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth1"
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700  # this user's only
+        # Two real ranks (gloo on the CPU, neither variable set): they meet through the file and
+        # all-reduce; every socket of theirs is on the loopback interface.
+        ranks = _run_ranks(2, path)
+        for rank in ranks:
+            assert rank["sum"] == 3.0, rank  # 1 + 2: the two met
+            assert rank["store"], rank  # the group's store is the file
+            assert rank["env"] == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}, rank
+            assert rank["sockets"], rank  # gloo's pair sockets (not vacuous)
+            ends = {ip for laddr, raddr, _ in rank["sockets"] for ip in (laddr, raddr) if ip}
+            assert ends <= {"127.0.0.1", "::1"}, rank["sockets"]
+            listening = [s for s in rank["sockets"] if s[2] == "LISTEN"]
+            assert all(s[0] in ("127.0.0.1", "::1") for s in listening), listening
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    # A default only: the operator's interface is the one gloo is given (here one that does not
+    # exist, so nothing binds anywhere: gloo refuses it by name).
+    path = tensor_parallel.rendezvous_file()
+    try:
+        [rank] = _run_ranks(1, path, GLOO_SOCKET_IFNAME="kvmesh-none0")
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    assert rank["env"]["GLOO_SOCKET_IFNAME"] == "kvmesh-none0", rank
+    assert "kvmesh-none0" in rank.get("error", ""), rank
 
 
 # ---- kvmesh client --------------------------------------------------------------------------------

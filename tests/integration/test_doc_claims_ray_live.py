@@ -1,0 +1,215 @@
+"""Doc claims about the Ray a `kvmesh serve` starts or joins, and the KV event hub it runs there,
+checked on a real Ray (what test_doc_claims_deploy.py and test_doc_claims_serving_cluster.py
+used to check by replacing ray.init / KVEventHub.options):
+
+- docs/DEPLOY.md: a local `kvmesh serve` starts its Ray without a dashboard; `kvmesh serve
+  --address auto` passes the worker hook with the config's server.* settings to what it starts;
+- docs/SERVING.md: the KV event hub is a named, detached, 0-CPU actor per app in namespace `serve`.
+
+One local Ray for the module, started as `kvmesh serve` starts it: cluster/launcher.py start_ray
+in a process of its own (it sets variables in its environment that Ray's processes inherit, and a
+process can ray.init only once). Each test's driver is a separate process too. Ray token auth is
+off (loopback_ray_env), so nothing is written under ~/.ray; everything binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvmesh import serve_config as serving
+from kvmesh.cluster.launcher import listener_env
+from kvmesh.cluster.local import loopback_ray_env, with_this_source
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER_TIMEOUT_S = 240  # a driver on a busy 2-core machine: import Ray, connect, start a worker
+
+# The local Ray's own config: every setting listener_env carries differs from deploy/serve.yaml's,
+# so a joining job's workers show which config's settings reached them.
+HOLDER_SERVER = {"host": "127.0.0.1", "max_header_bytes": 12_345, "header_timeout_s": 7,
+                 "stream_idle_timeout_s": 11, "grpc_max_message_bytes": 3 * 1024 * 1024}
+
+# `kvmesh serve`'s start of a local Ray, held until stdin closes.
+HOLDER = """
+import io, json, sys
+import ray
+from ray._private.services import get_webui_url_from_internal_kv
+from kvmesh.cluster import launcher
+from kvmesh.serve_config import parse_config
+gcs = launcher.start_ray(parse_config({"server": json.loads(sys.argv[1])}), None, out=io.StringIO())
+node = ray._private.worker.global_worker.node
+print(json.dumps({"gcs": gcs, "webui_url": node.webui_url,
+                  "kv_webui_url": get_webui_url_from_internal_kv()}), flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+# `kvmesh serve CONFIG --address auto`'s join (RAY_ADDRESS names the module's Ray), then what a
+# worker process of that job sees: the listener settings and whether the hook ran in it.
+JOINER = """
+import io, json, sys
+import ray
+from kvmesh.cluster import launcher
+from kvmesh.serve_config import load_config
+cfg = load_config(sys.argv[1])
+launcher.start_ray(cfg, "auto", out=io.StringIO())
+
+@ray.remote(num_cpus=0)
+def seen(names):
+    import os
+    from kvmesh.cluster import ray_patches
+    return {"env": {name: os.environ.get(name) for name in names}, "hook_ran": ray_patches._applied}
+
+print(json.dumps({"gcs": ray.get_runtime_context().gcs_address,
+                  "worker": ray.get(seen.remote(list(launcher.listener_env(cfg))), timeout=180)}),
+      flush=True)
+ray.shutdown()
+"""
+
+# Creates the app's hub with every CPU of the cluster reserved (a placement group: no worker
+# process), calls it, looks it up by name in `serve`, then exits (ending its job).
+HUB_CREATOR = """
+import json, sys
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from kvmesh.cluster import event_hub
+ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
+cpus = ray.cluster_resources()["CPU"]
+every_cpu = placement_group([{"CPU": cpus}])
+ray.get(every_cpu.ready(), timeout=120)
+hub = event_hub.get_or_create_hub(sys.argv[2])
+ray.get(hub.loads.remote(), timeout=120)  # placed and running with no CPU left
+found = ray.get_actor(event_hub.hub_name(sys.argv[2]), namespace="serve")
+print(json.dumps({"cpus": cpus, "created": hub._actor_id.hex(), "found": found._actor_id.hex()}),
+      flush=True)
+remove_placement_group(every_cpu)
+ray.shutdown()
+"""
+
+# After the creator's job ended: the hub by name, still answering; then kvmesh's kill_hub.
+HUB_AFTER = """
+import json, sys
+import ray
+from kvmesh.cluster import event_hub
+ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
+try:
+    hub = ray.get_actor(event_hub.hub_name(sys.argv[2]), namespace="serve")
+    ray.get(hub.loads.remote(), timeout=120)
+    alive = hub._actor_id.hex()
+except ValueError:
+    alive = None
+print(json.dumps({"alive": alive, "killed": event_hub.kill_hub(sys.argv[2])}), flush=True)
+ray.shutdown()
+"""
+
+
+def _env(**extra) -> dict[str, str]:
+    env = with_this_source(loopback_ray_env())
+    env.pop("RAY_ADDRESS", None)
+    return {**env, **extra}
+
+
+def _driver(script: str, *args: str, **env) -> dict:
+    done = subprocess.run([sys.executable, "-c", script, *args], env=_env(**env), capture_output=True,
+                          text=True, timeout=DRIVER_TIMEOUT_S, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _stop_tree(proc: subprocess.Popen, tree: list[psutil.Process]) -> None:
+    """Close the holder's stdin (it shuts its Ray down and exits); then SIGKILL, by pid, whatever
+    of the tree it started is still running."""
+    try:
+        proc.stdin.close()
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
+        proc.wait(10)
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The Ray of a local `kvmesh serve` (start_ray with HOLDER_SERVER), in a process of its own:
+    (holder process, what it reported: gcs address and the dashboard URL Ray holds)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, json.dumps(HOLDER_SERVER)], env=_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=REPO)
+    tree: list[psutil.Process] = []
+    try:
+        line = proc.stdout.readline()
+        assert line, f"start_ray failed: {proc.stderr.read()[-4000:]}"
+        info = json.loads(line)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        yield proc, info
+        tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else tree
+    finally:
+        _stop_tree(proc, tree)
+
+
+def _cmdlines(proc: subprocess.Popen) -> list[str]:
+    out = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            out.append(" ".join(p.cmdline()))
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_a_local_kvmesh_serve_starts_its_ray_without_a_dashboard(local_ray):
+    """DEPLOY.md: "not on the one-machine kvmesh serve, which starts its Ray without a dashboard"."""
+    proc, info = local_ray
+    # The URL Ray publishes for its dashboard (GCS key webui:url, what `ray status` and
+    # ray.init print): empty, no server to reach; the head's API server runs without its frontend.
+    assert info["webui_url"] == "" and info["kv_webui_url"] == "", info
+    cmdlines = _cmdlines(proc)
+    assert any("gcs_server" in c for c in cmdlines) and any("raylet" in c for c in cmdlines), cmdlines
+    heads = [c for c in cmdlines if "ray/dashboard/dashboard.py" in c]
+    assert heads and all("--disable-frontend" in c for c in heads), heads
+
+
+def test_kvmesh_serve_address_passes_the_worker_hook_with_the_server_settings(local_ray):
+    """DEPLOY.md: "The head's kvmesh serve --address auto also passes the hook with
+    deploy/serve.yaml's server.* settings to the Serve processes it starts"."""
+    _, info = local_ray
+    serve_yaml = str(REPO / "deploy" / "serve.yaml")
+    expected = listener_env(serving.load_config(serve_yaml))
+    theirs = listener_env(serving.parse_config({"server": HOLDER_SERVER}))
+    assert all(expected[k] != theirs[k] for k in expected), (expected, theirs)  # not vacuous
+    joined = _driver(JOINER, serve_yaml, RAY_ADDRESS=info["gcs"])  # "auto" finds it there
+    assert joined["gcs"] == info["gcs"]  # joined the running Ray, started none
+    # A worker process of the job (as Serve's controller, proxies and replicas are): the hook ran
+    # in it (the node's environment names none), with serve.yaml's settings, not the node's.
+    assert joined["worker"] == {"env": expected, "hook_ran": True}, joined
+
+
+def test_the_hub_is_a_detached_zero_cpu_actor_named_after_the_app_in_the_serve_namespace(local_ray):
+    """Intro: "a named, detached Ray actor per app (`kvmesh-kv-events-<app>`, namespace `serve`)";
+    "the hub (0 CPUs) stays"."""
+    from kvmesh.cluster.event_hub import hub_name
+
+    _, info = local_ray
+    assert hub_name("myapp") == "kvmesh-kv-events-myapp"
+    created = _driver(HUB_CREATOR, info["gcs"], "myapp")
+    assert created["cpus"] >= 1
+    # found by its name in `serve` from a driver of another namespace: the same actor
+    assert created["found"] == created["created"], created
+    # the driver that created it has exited: a non-detached actor would have ended with its job
+    after = _driver(HUB_AFTER, info["gcs"], "myapp")
+    assert after == {"alive": created["created"], "killed": True}, (created, after)
