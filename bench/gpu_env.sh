@@ -2,7 +2,9 @@
 # sets the environment. Carried folders, each optional (docs/PERF.md "Setup"):
 #   .whl-ray  Ray + Serve wheels       (../shared/device/wheels.sh ray .whl-ray)
 #   .whl-fi   flashinfer wheels        (../shared/device/wheels.sh flashinfer .whl-fi)
-#   .whl-x    xxhash, httptools, nano-vllm-fork (EXTRA="xxhash httptools nano-vllm-fork" ../shared/device/wheels.sh extra .whl-x)
+#   .whl-x    xxhash, httptools, nano-vllm-fork, and xgrammar with pydantic for the grammar tests
+#             (EXTRA="xxhash httptools nano-vllm-fork xgrammar==0.2.9 pydantic==2.14.4 pydantic_core==2.50.5
+#              annotated-types==0.8.0 typing-inspection==0.4.5" ../shared/device/wheels.sh extra .whl-x)
 #   .fa-bin   the minimal flash-attn build, or .fa-tgz/fa.tgz (the same, gzipped, to fit beside Ray)
 #   .fi-cache flashinfer's JIT cache
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16

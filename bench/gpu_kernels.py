@@ -6,7 +6,10 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        (max_model_len 4096 / page 256), timed as CUDA-graph replays
      PYTHONPATH=. python3 bench/gpu_kernels.py --decode-mix $OUT/decode_mix.json   decode kernels on
        uniform and mixed contexts (nano-vllm's 100-2,048): flash-attn, flashinfer's BatchDecode and its
-       XQA (TensorRT-LLM's decode kernel) by page size, each against the float32 reference"""
+       XQA (TensorRT-LLM's decode kernel) by page size, each against the float32 reference
+     PYTHONPATH=. python3 bench/gpu_kernels.py --sampler $OUT/sampler.json   the fused sampler
+       (kernels/sample.py) on bf16 logits of Qwen3's 151,936 ids, sampled (T = 0.6) and greedy, by
+       batch, as CUDA-graph replays against the copy rate over the logits' bytes"""
 
 import importlib.util
 import json
@@ -191,6 +194,27 @@ def decode_mix():
             json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
 
 
+def sampler():
+    """sample_from_logits' time by batch, temperature 0.6 and greedy: it reads each logit once."""
+    from kvmesh.kernels.sample import sample_from_logits
+
+    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
+    vocab, rows = 151_936, []
+    for batch in (1, 32, 128, 256):
+        logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16)
+        for temperature in (0.6, 0.0):
+            inv = torch.full((batch,), 1 / temperature if temperature else 0.0, device="cuda")
+            ms = triton.testing.do_bench_cudagraph(lambda: sample_from_logits(logits, inv, 1234), rep=100,
+                                                   return_mode="median")
+            rows.append(dict(batch=batch, temperature=temperature, us=ms * 1e3,
+                             of_copy=logits.numel() * 2 / (ms * 1e-3) / bw))
+            print(f"batch {batch:4d} T {temperature:.1f}: {ms * 1e3:7.1f} us, "
+                  f"{rows[-1]['of_copy']:.0%} of copy over the logits", flush=True)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
-    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix}
+    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--sampler": sampler}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

@@ -34,6 +34,19 @@ SCRIPT = textwrap.dedent("""
     out["expected"] = (torch.softmax(torch.tensor([1.0, 0.5, 0.0]) / t, 0) * rows).tolist()
     out["same_seed"] = sample_from_logits(logits[:32], torch.full((32,), 1 / t), 1234, chunk=1024).tolist() == a[:32]
     out["other_seed"] = sample_from_logits(logits[:32], torch.full((32,), 1 / t), 99, chunk=1024).tolist() != a[:32]
+    # chunks of 2,048 ids read 1,024 a turn: ids in different turns and chunks, each drawn with its
+    # own uniform
+    rows, ids = 240, (100, 700, 1500, 2500, 4999)
+    logits = torch.full((rows, 5000), -1e4)
+    for i, v in zip(ids, (1.0, 0.8, 0.6, 0.4, 0.2)):
+        logits[:, i] = v
+    b = sample_from_logits(logits, torch.full((rows,), 1 / t), 77, chunk=2048).tolist()
+    out["wide_counts"] = [b.count(i) for i in ids]
+    out["wide_expected"] = (torch.softmax(torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2]) / t, 0) * rows).tolist()
+    try:
+        sample_from_logits(logits, torch.zeros(rows), 0, chunk=1500)
+    except ValueError as e:
+        out["bad_chunk"] = str(e)
     # a greedy row and a sampled row in one launch
     mixed = torch.full((2, 2100), -1e4); mixed[:, 5], mixed[:, 6] = 1.0, 0.9
     out["mixed_greedy"] = sample_from_logits(mixed, torch.tensor([0.0, 1.0]), 7).tolist()[0]
@@ -58,6 +71,17 @@ def test_sampled_rows_follow_softmax_over_temperature(result):
     assert sum(counts) == 150  # nothing outside the three ids with mass
     chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
     assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+
+
+def test_every_slice_turn_and_chunk_draws_its_own_uniforms(result):
+    counts, expected = result["wide_counts"], result["wide_expected"]
+    assert sum(counts) == 240
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
+    assert chi2 < 18.5  # chi-square, 4 degrees of freedom, p = 0.001
+
+
+def test_a_chunk_that_is_not_a_multiple_of_1024_ids_is_refused(result):
+    assert result["bad_chunk"] == "chunk must be a positive multiple of 1024, got 1500"
 
 
 def test_the_seed_picks_the_stream(result):
