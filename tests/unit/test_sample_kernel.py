@@ -73,7 +73,7 @@ def test_sampled_rows_follow_softmax_over_temperature(result):
     assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
 
 
-def test_every_slice_turn_and_chunk_draws_its_own_uniforms(result):
+def test_every_turn_and_chunk_draws_its_own_uniforms(result):
     counts, expected = result["wide_counts"], result["wide_expected"]
     assert sum(counts) == 240
     chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
