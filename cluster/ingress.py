@@ -9,15 +9,13 @@ disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio
-import contextlib
-import dataclasses
 import functools
 import json
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from kvmesh.cluster import process_metrics
@@ -27,7 +25,7 @@ from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.grpc_health import HealthService
 from kvmesh.cluster.grpc_service import GrpcService
 from kvmesh.cluster.limits import RequestLimits
-from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt, RequestPipeline
+from kvmesh.cluster.pipeline import GenerationRequest, RequestPipeline
 from kvmesh.cluster.shared_metrics import publish_forever
 from kvmesh.cluster.status import HubLoads, cluster_health, worker_rows
 from kvmesh.cluster.structured_request import parse_structured
@@ -36,10 +34,12 @@ from kvmesh.cluster import tool_parser
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
-                                            parse_request, sampling_params, usage)
+                                            parse_request, usage)
 from kvmesh.cluster.openai_choices import StreamChoices, chosen_sequences, whole_body
 from kvmesh.cluster.openai_echo import echo_for
-from kvmesh.cluster.openai_responses import SSE_DONE, Shaper, sse
+from kvmesh.cluster.openai_request import max_tokens_param, prompts_of, sampling_params_with
+from kvmesh.cluster.openai_responses import Shaper
+from kvmesh.cluster.openai_sse import SseResponse, sse_body, sse_tool_body
 from kvmesh.cluster import tokenize_api
 from kvmesh.serve_config import parse_config
 
@@ -58,127 +58,6 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
-def _max_tokens_param(req) -> str:
-    return ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
-            else "max_tokens")
-
-
-# Prompts in one completions request (each is a choice, answered with its index, as vLLM).
-MAX_PROMPTS_PER_REQUEST = 64
-
-
-def _prompts(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
-    """The request's prompts: one for chat (its tools rendered: cluster/tool_calls.py); for
-    completions a string, a list of token ids, or a list of either (one choice each)."""
-    if kind == "chat":
-        messages, template_tools = render_chat(req.messages, chat_prompt_text(req.messages), tools,
-                                               tokenizer)
-        return [Prompt("messages", messages=messages, tools=template_tools)]
-    prompt = req.prompt
-    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-        return [_one_prompt(prompt, "prompt")]
-    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
-        raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; the limit is "
-                       f"{MAX_PROMPTS_PER_REQUEST}", param="prompt")
-    if len(prompt) == 1:
-        return [_one_prompt(prompt[0], "prompt")]
-    return [_one_prompt(p, f"prompt.{i}") for i, p in enumerate(prompt)]
-
-
-def _one_prompt(prompt, param: str) -> Prompt:
-    if isinstance(prompt, str):
-        return Prompt(param, text=prompt)
-    return Prompt(param, token_ids=list(prompt))
-
-
-def _sampling_params(req, structured, remaining_context: int):
-    params = sampling_params(req, remaining_context)
-    if structured is not None:
-        params = dataclasses.replace(params, structured_outputs=structured.spec)
-    return params
-
-
-async def _merged(streams: list[DeltaStream]):
-    """(choice index, delta) of every stream as they come."""
-    if len(streams) == 1:
-        async for delta in streams[0]:
-            yield 0, delta
-        return
-    iters = [s.__aiter__() for s in streams]
-    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iters)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in sorted(done, key=pending.get):
-                i = pending.pop(future)
-                try:
-                    delta = future.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, delta
-                pending[asyncio.ensure_future(iters[i].__anext__())] = i
-    finally:
-        for future in pending:
-            future.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
-
-async def _sse(streams: list[DeltaStream], choices: list[StreamChoices], shaper: Shaper,
-               include_usage: bool, continuous_usage: bool = False):
-    """The SSE body of a request's streams (one per prompt, each with its choices: n > 1 and echo,
-    cluster/openai_choices.py); closing it closes the streams (which aborts the requests on the
-    workers): SseResponse does so however the response ends."""
-    async with contextlib.AsyncExitStack() as stack:
-        for stream in streams:
-            await stack.enter_async_context(stream)
-        for prompt_choices in choices:
-            for role in prompt_choices.role_chunks():
-                yield sse(role)
-        counts = [0] * len(streams)
-        # closed before the streams (the stack unwinds in reverse): its reads in flight are
-        # cancelled first, so closing each stream then finds none running
-        merged = await stack.enter_async_context(contextlib.aclosing(_merged(streams)))
-        async for i, delta in merged:
-            counts[i] += len(delta.token_ids)
-            so_far = (usage(_prompt_tokens(streams[i], delta), counts[i], delta.num_cached_tokens)
-                      if continuous_usage else None)
-            for chunk in choices[i].chunks(delta, so_far):
-                yield sse(chunk)
-        if include_usage:
-            yield sse(shaper.usage_chunk(sum(_prompt_tokens(s, s.last) for s in streams),
-                                         sum(s.num_tokens for s in streams),
-                                         sum(s.last.num_cached_tokens for s in streams)))
-        yield SSE_DONE
-
-
-class SseResponse(StreamingResponse):
-    """A StreamingResponse that closes its body and the worker stream when it ends, however it
-    ends. Starlette 1.x does not close the body iterator: when a client goes while the response
-    waits in `send` (its socket full: a client that stopped reading, cut by the stream idle
-    timeout), Starlette cancels the response there, outside the generator, which stays suspended
-    at a `yield` holding the worker stream open until the garbage collector finalizes it, which
-    Serve's frozen, slowed GC does late or never: the engine generated on (70% of unread
-    streams' tokens on the direct port, and 36 s after clients closed; docs/RELIABILITY.md
-    "Backpressure"). On Serve's proxy path the ingress's `send` never waits, so the cancel lands
-    inside the generator instead."""
-
-    def __init__(self, streams: list[DeltaStream], body, **kwargs):
-        super().__init__(body, **kwargs)
-        self._streams = streams
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            for stream in self._streams:  # also when the body never started
-                await stream.aclose()
-
-
-def _prompt_tokens(stream: DeltaStream, delta) -> int:
-    return delta.num_prompt_tokens or stream.routed.num_prompt_tokens
-
-
 def _combined(bodies: list[dict]) -> dict:
     """One response of several prompts' bodies: their choices in order, renumbered (prompt i's
     choice j is i * n + j, as vLLM numbers them), their usage summed."""
@@ -192,34 +71,6 @@ def _combined(bodies: list[dict]) -> dict:
                           sum(b["usage"]["completion_tokens"] for b in bodies),
                           sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies))
     return body
-
-
-async def _sse_tools(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools,
-                     num_choices: int):
-    """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream),
-    one parser per choice (n > 1: each sequence's output is parsed on its own)."""
-    parsers: dict[int, tool_parser.ToolStream] = {}
-    async with stream:
-        for index in range(num_choices):
-            role = shaper.role_chunk(include_usage)
-            role["choices"][0]["index"] = index
-            yield sse(role)
-        async for delta in stream:
-            parser = parsers.setdefault(delta.index, tool_parser.ToolStream(tools))
-            ended = delta.finish_reason is not None  # this sequence's end
-            pieces = parser.feed(delta.text)
-            if ended:
-                pieces += parser.finish()
-            for piece in pieces:
-                yield sse(shaper.choice_chunk(piece, None, include_usage, delta.index))
-            if ended:
-                reason = tool_parser.finish_reason(delta.finish_reason, tools, parser.calls)
-                yield sse(shaper.choice_chunk({}, reason, include_usage, delta.index))
-        if include_usage:
-            last = stream.last
-            yield sse(shaper.usage_chunk(last.num_prompt_tokens or stream.routed.num_prompt_tokens,
-                                         stream.num_tokens, last.num_cached_tokens))
-        yield SSE_DONE
 
 
 # Module functions the routes call are defined above the class: Serve copies the class when
@@ -398,11 +249,11 @@ class Ingress(GrpcService, HealthService):
                 structured = forced
             if structured is not None:
                 await self.frontend.check_grammar(structured.spec, structured.param)
-            prompts = _prompts(req, kind, tools, self.frontend.tokenizer)
+            prompts = prompts_of(req, kind, tools, self.frontend.tokenizer)
             admitted = [await self.pipeline.admit(GenerationRequest(
-                prompt, functools.partial(_sampling_params, req, structured),
-                max_tokens=getattr(req, _max_tokens_param(req)),
-                max_tokens_param=_max_tokens_param(req), model=req.model,
+                prompt, functools.partial(sampling_params_with, req, structured),
+                max_tokens=getattr(req, max_tokens_param(req)),
+                max_tokens_param=max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
                 arrival=arrival)) for prompt in prompts]
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
@@ -418,11 +269,11 @@ class Ingress(GrpcService, HealthService):
                 else:  # started at once, as vLLM runs them
                     streams = await self.pipeline.streams_of_several(admitted)
                 if tools is not None:  # chat: one prompt
-                    body = _sse_tools(streams[0], shaper, include_usage, tools, req.n)
+                    body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n)
                 else:
                     choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
                                for i, echo in enumerate(echoes)]
-                    body = _sse(streams, choices, shaper, include_usage,
+                    body = sse_body(streams, choices, shaper, include_usage,
                                 bool(options.get("continuous_usage_stats")))
                 return SseResponse(streams, body, media_type="text/event-stream",
                                    headers={"Cache-Control": "no-cache"})

@@ -161,7 +161,7 @@ def test_best_of_with_stream_is_accepted_only_when_it_equals_n():
 
 
 def test_a_request_holds_at_most_64_prompts():
-    from kvmesh.cluster.ingress import MAX_PROMPTS_PER_REQUEST, _prompts
+    from kvmesh.cluster.openai_request import MAX_PROMPTS_PER_REQUEST, prompts_of as _prompts
 
     assert MAX_PROMPTS_PER_REQUEST == 64
     req = parse_request(body(COMPLETION, prompt=["a"] * 65), CompletionRequest)
