@@ -154,34 +154,20 @@ def test_the_ingress_checks_the_key_before_it_reads_the_body():
 
 def test_kvmesh_status_sends_the_key_from_the_flag_or_the_environment(monkeypatch, capsys):
     """"Clients: `kvmesh client --api-key` / `kvmesh status --api-key` (or `$KVMESH_API_KEY`)"."""
-    import http.server
     import json
 
     from kvmesh.cli import main
+    from tests.unit.json_server import json_server
 
     seen = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen.append(self.headers.get("Authorization"))
-            ok = self.headers.get("Authorization") == "Bearer sk-status"
-            body = ({"status": "ok", "workers": 0} if self.path == "/health"
-                    else {"model": "m", "workers": []}) if ok else {
-                "error": {"message": "no", "code": "invalid_api_key"}}
-            data = json.dumps(body).encode()
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(path, headers):
+        seen.append(headers.get("Authorization"))
+        if headers.get("Authorization") != "Bearer sk-status":
+            return 401, {"error": {"message": "no", "code": "invalid_api_key"}}
+        return 200, ({"status": "ok", "workers": 0} if path == "/health" else {"model": "m", "workers": []})
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}"
-    try:
+    with json_server(answer) as url:
         monkeypatch.delenv("KVMESH_API_KEY", raising=False)
         assert main(["status", "--json", "--url", url, "--api-key", "sk-status"]) == 0
         assert json.loads(capsys.readouterr().out)["status"] == "ok"
@@ -190,9 +176,6 @@ def test_kvmesh_status_sends_the_key_from_the_flag_or_the_environment(monkeypatc
         monkeypatch.delenv("KVMESH_API_KEY")
         assert main(["status", "--json", "--url", url]) != 0
         assert "401" in capsys.readouterr().err
-    finally:
-        server.shutdown()
-        server.server_close()
     assert seen[:4] == ["Bearer sk-status"] * 4 and seen[4] is None
 
 

@@ -285,33 +285,16 @@ def test_grpc_health_the_hub_does_not_answer_is_not_serving_within_the_bound():
 def test_kvmesh_status_names_the_hub_when_it_does_not_answer(capsys):
     """`kvmesh status` against a server answering as the ingress does while the hub is down (a
     real HTTP server on 127.0.0.1): an error naming the hub and exit status 2, not an empty table."""
-    import http.server
-    import threading
-
     from kvmesh.cli import main
+    from tests.unit.json_server import json_server
 
     message = f"the KV event hub (Ray actor {HUB_NAME}) did not answer within 2 s: ..."
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = ({"status": "kv_event_hub_unavailable", "workers": 0} if self.path == "/health"
-                    else {"error": {"message": message, "code": "kv_event_hub_unavailable"}})
-            data = json.dumps(body).encode()
-            self.send_response(503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(path, headers):
+        return 503, ({"status": "kv_event_hub_unavailable", "workers": 0} if path == "/health"
+                     else {"error": {"message": message, "code": "kv_event_hub_unavailable"}})
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        code = main(["status", "--url", f"http://127.0.0.1:{server.server_port}"])
-    finally:
-        server.shutdown()
-        server.server_close()
+    with json_server(answer) as url:
+        code = main(["status", "--url", url])
     assert code == 2
     assert message in capsys.readouterr().err
