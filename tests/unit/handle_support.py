@@ -9,10 +9,11 @@ import asyncio
 
 class Handle:
     """Each attempt's script is a list of TokenDeltas, exceptions (raised) and asyncio.Events
-    (waited for: a worker still generating)."""
+    (waited for: a worker still generating); `response` is the class of each attempt's answer."""
 
-    def __init__(self, *attempts):
+    def __init__(self, *attempts, response: type[Response] | None = None):
         self.attempts = list(attempts)
+        self.response = response or Response
         self.avoided = []  # routed.avoid_workers as each attempt saw it
         self.routed = []  # the RoutedRequest of each attempt
         self.responses: list[Response] = []
@@ -27,7 +28,7 @@ class Handle:
     def remote(self, routed):
         self.avoided.append(list(routed.avoid_workers))
         self.routed.append(routed)
-        self.responses.append(Response(self.attempts.pop(0)))
+        self.responses.append(self.response(self.attempts.pop(0)))
         return self.responses[-1]
 
 

@@ -280,7 +280,7 @@ def test_a_full_handle_queue_is_429_with_retry_after_1_on_http_and_resource_exha
     `run_request`'s cleanup re-raised it over the ingress's own error" (fixed)."""
     from ray.serve.exceptions import BackPressureError
 
-    from handle_support import Response
+    from handle_support import Handle, Response
     from kvmesh.cluster.generation import run_request
     from kvmesh.cluster.grpc_service import _grpc_error
     from kvmesh.cluster.ingress import _error_response
@@ -294,19 +294,8 @@ def test_a_full_handle_queue_is_429_with_retry_after_1_on_http_and_resource_exha
             self.cancelled = True
             raise full()
 
-    class FullHandle:
-        def options(self, stream):
-            return self
-
-        @property
-        def generate(self):
-            return self
-
-        def remote(self, routed):
-            return FailedCall([full()])
-
     async def main():
-        return [d async for d in run_request(FullHandle(), RoutedRequest(
+        return [d async for d in run_request(Handle([full()], response=FailedCall), RoutedRequest(
             "req-1", [1, 2, 3], SamplingParams(max_tokens=2)))]
 
     with pytest.raises(ApiError) as e:

@@ -20,17 +20,12 @@ import pytest
 import torch
 from starlette.requests import Request
 
-from kvmesh.cluster.auth import ApiKeys
-from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.limits import RequestLimits
-from kvmesh.cluster.messages import ModelInfo
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             parse_request, sampling_params)
-from kvmesh.cluster.pipeline import RequestPipeline
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
-from kvmesh.serve_config import parse_config
 from handle_support import Handle
+from ingress_support import ingress_without_serve
 
 MODEL = "random:tiny-llama"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -111,18 +106,7 @@ def test_deprecated_function_fields_are_refused_naming_the_field_and_what_to_use
 # ---- the ingress's HTTP routes, without Serve ----------------------------------------------------
 
 def ingress(handle=None, model=MODEL):
-    """An Ingress as its constructor builds it, minus the KV event hub and Serve's replica context."""
-    from kvmesh.cluster.ingress import Ingress
-
-    ing = Ingress.__new__(Ingress)
-    ing.config = parse_config({"model": model})
-    ing.frontend = Frontend(ing.config, worker_handle=handle)
-    ing.frontend._info = ModelInfo(ing.frontend.model_name, max_model_len=128, block_size=16,
-                                   hash_salt=b"", vocab_size=512)
-    ing.limits = RequestLimits(ing.config.limits)
-    ing.pipeline = RequestPipeline(ing.frontend, ing.limits, ApiKeys(()))
-    ing.created = 0
-    return ing
+    return ingress_without_serve(model, handle)
 
 
 def http_request(body: dict | None = None, headers: dict | None = None) -> Request:

@@ -21,15 +21,9 @@ import ray.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
-from kvmesh.cluster import process_metrics
-from kvmesh.cluster.auth import ApiKeys
-from kvmesh.cluster.frontend import Frontend
-from kvmesh.cluster.limits import RequestLimits
-from kvmesh.cluster.messages import ModelInfo
-from kvmesh.cluster.pipeline import RequestPipeline
 from kvmesh.cluster.status import HUB_TIMEOUT_S, HubLoads
 from kvmesh.protocol import WorkerLoad
-from kvmesh.serve_config import parse_config
+from ingress_support import ingress_without_serve
 
 MODEL = "random:tiny-llama"
 HUB_NAME = "kvmesh-kv-events-test"
@@ -78,20 +72,10 @@ class HubByName:
 
 
 def ingress(hub: StandInHub | HubByName):
-    """An Ingress as its constructor builds it, minus Serve's replica context."""
-    from kvmesh.cluster.ingress import Ingress
-
+    """An Ingress without Serve whose HubLoads asks `hub` (found by name again after a failure)."""
     by_name = hub if isinstance(hub, HubByName) else HubByName(hub)
-    ing = Ingress.__new__(Ingress)
-    ing.config = parse_config({"model": MODEL})
-    ing.frontend = Frontend(ing.config, worker_handle=None)
-    ing.frontend._info = ModelInfo(ing.frontend.model_name, max_model_len=128, block_size=16,
-                                   hash_salt=b"", vocab_size=512)
-    ing.limits = RequestLimits(ing.config.limits)
-    ing.pipeline = RequestPipeline(ing.frontend, ing.limits, ApiKeys(()))
-    process_metrics.register(ing.frontend.metrics.registry)
-    ing.hub_loads = HubLoads(by_name, HUB_NAME, timeout_s=TIMEOUT_S, hub=by_name.hub)
-    return ing
+    return ingress_without_serve(MODEL, hub_loads=HubLoads(by_name, HUB_NAME, timeout_s=TIMEOUT_S,
+                                                           hub=by_name.hub))
 
 
 def get_request() -> Request:
