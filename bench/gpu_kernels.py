@@ -9,7 +9,11 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        XQA (TensorRT-LLM's decode kernel) by page size, each against the float32 reference
      PYTHONPATH=. python3 bench/gpu_kernels.py --sampler $OUT/sampler.json   the fused sampler
        (kernels/sample.py) on bf16 logits of Qwen3's 151,936 ids, sampled (T = 0.6) and greedy, by
-       batch, as CUDA-graph replays against the copy rate over the logits' bytes"""
+       batch, as CUDA-graph replays against the copy rate over the logits' bytes
+     PYTHONPATH=. python3 bench/gpu_kernels.py --gemm $OUT/gemm.json   the decoder's GEMMs at
+       Qwen3-0.6B's shapes by tokens per step, cuBLAS against cuBLASLt (torch's preferred BLAS
+       library), as CUDA-graph replays against the copy rate over the weights' bytes, each against
+       a float32 product"""
 
 import importlib.util
 import json
@@ -90,6 +94,13 @@ def main():
         print(f"{r[0]:24s} {r[1]:10s} {r[2]:4d} {r[3]:9.1f} {r[4]:9.2f} {100 * r[5]:5.0f}% {r[6]:8.1e}", flush=True)
 
 
+def save_rows(copy_bytes_per_s: float, rows: list[dict]):
+    """A mode's rows as JSON to the path after the mode's flag, if one is given."""
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"copy_bytes_per_s": copy_bytes_per_s, "rows": rows}, f, indent=1)
+
+
 def fa_splits():
     """Decode time of flash_attn_with_kvcache by batch, context and num_splits, the engine's shape."""
     from flash_attn import flash_attn_with_kvcache
@@ -119,9 +130,7 @@ def fa_splits():
             line = " ".join(f"{r['splits']}:{r['us']:.0f}" for r in case_rows)
             print(f"ctx {ctx:5d} batch {batch:4d}  splits:us {line}  best {best['splits']} "
                   f"({best['of_copy']:.0%} of copy; heuristic {case_rows[0]['of_copy']:.0%})", flush=True)
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+    save_rows(bw, rows)
 
 
 def decode_mix():
@@ -189,9 +198,7 @@ def decode_mix():
                     r = rows[-1]
                     print(f"{label:13s} batch {batch:4d} {name:11s} page {page:4d} {r['us']:8.1f} us "
                           f"{r['of_copy']:5.0%} of copy  err {err:.1e}", flush=True)
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+    save_rows(bw, rows)
 
 
 def sampler():
@@ -210,11 +217,43 @@ def sampler():
                              of_copy=logits.numel() * 2 / (ms * 1e-3) / bw))
             print(f"batch {batch:4d} T {temperature:.1f}: {ms * 1e3:7.1f} us, "
                   f"{rows[-1]['of_copy']:.0%} of copy over the logits", flush=True)
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"copy_bytes_per_s": bw, "rows": rows}, f, indent=1)
+    save_rows(bw, rows)
+
+
+def gemm():
+    """F.linear (the decoder's layers, worker/layers/parallel.py) at Qwen3-0.6B's shapes: small-M
+    GEMMs read their weights once, so the floor is the weights' bytes at the copy rate."""
+    import torch.nn.functional as F
+
+    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+              "lm_head": (151_936, 1024)}
+    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+               for name, (n, k) in shapes.items()}
+    rows = []
+    for tokens in (1, 8, 32, 64, 128, 192, 256, 512):
+        line = []
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            layer_us = 0.0
+            for name, w in weights.items():
+                x = torch.randn(tokens, w.shape[1], device="cuda", dtype=torch.bfloat16)
+                run = lambda: F.linear(x, w)  # noqa: E731
+                err = ((run().float() - F.linear(x.float(), w.float())).abs().max()
+                       / F.linear(x.float(), w.float()).abs().max()).item()
+                ms = triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median")
+                rows.append(dict(tokens=tokens, library=library, gemm=name, us=ms * 1e3,
+                                 of_copy=w.numel() * 2 / (ms * 1e-3) / bw, rel_err=err))
+                layer_us += ms * 1e3 if name != "lm_head" else 0.0
+            layer_bytes = sum(weights[n].numel() * 2 for n in ("qkv", "o", "gate_up", "down"))
+            err = max(r["rel_err"] for r in rows if r["tokens"] == tokens and r["library"] == library)
+            line.append(f"{library} layer {layer_us:6.1f} us ({layer_bytes / (layer_us * 1e-6) / bw:4.0%}) "
+                        f"lm_head {rows[-1]['us']:6.1f} us ({rows[-1]['of_copy']:4.0%}) err {err:.0e}")
+        print(f"tokens {tokens:4d}: " + " | ".join(line), flush=True)
+    torch.backends.cuda.preferred_blas_library("default")
+    save_rows(bw, rows)
 
 
 if __name__ == "__main__":
-    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--sampler": sampler}
+    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--sampler": sampler, "--gemm": gemm}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()
