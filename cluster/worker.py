@@ -42,6 +42,7 @@ STALL_TIMEOUT_S = float(os.environ.get("KVMESH_STALL_TIMEOUT_S", "60"))
 # An idle worker still reports its load this often: its heartbeat, "at least every second" in
 # docs/METRICS.md with room for a busy event loop (a router ranks a worker silent for 3 s last).
 HEARTBEAT_S = 0.5
+LEAVE_TIMEOUT_S = 5.0  # at shutdown, how long the worker waits for the hub to take its goodbye
 
 
 def worker_id_of_this_replica() -> str:
@@ -145,7 +146,20 @@ class KVWorker:
                 autoscaling.WAITING: float(load.waiting),
                 autoscaling.RUNNING: float(load.running)}
 
-    def __del__(self):
+    async def __del__(self):
+        """Serve's graceful shutdown, after the drain (Serve awaits an async __del__): stop
+        publishing, leave the hub, then stop the engine. Leaving at once, rather than being
+        dropped after SILENCE_S without a heartbeat, is what lets /health say scaled_to_zero as
+        soon as the last replica is gone; and the engine stops only once the hub no longer lists
+        the worker, so no router copy sees it unhealthy on its way out."""
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+            try:
+                await asyncio.wait_for(self.hub.remove_worker.remote(self.worker_id), LEAVE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 (the hub drops a silent worker after SILENCE_S)
+                logger.warning("kvmesh worker %s: leaving the KV event hub failed: %r", self.worker_id, e)
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()

@@ -57,7 +57,12 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
 def ray_processes(cluster, role: str) -> list[psutil.Process]:
     """The cluster's Ray worker processes whose title names `role` (e.g. "Ingress", "KVWorker"),
     found below the `kvmesh serve` process (its own session), never by a global name search."""
-    root = psutil.Process(cluster.proc.pid)
+    return ray_processes_below(cluster.proc.pid, role)
+
+
+def ray_processes_below(pid: int, role: str) -> list[psutil.Process]:
+    """The Ray worker processes below process `pid` whose title names `role`."""
+    root = psutil.Process(pid)
     out = []
     for p in root.children(recursive=True):
         try:

@@ -8,6 +8,7 @@ One replica at most, one request at a time on it (max_ongoing_requests 1), short
 """
 
 import concurrent.futures as cf
+import contextlib
 import json
 import subprocess
 import sys
@@ -97,7 +98,54 @@ def test_scales_to_zero_when_idle_and_a_request_brings_a_replica_back(cluster):
         seen = wait_for_replicas(cluster, 1, timeout_s=180)  # 0 -> 1 while the request waits
         assert answer.result(timeout=300)["usage"]["completion_tokens"] == 8
     assert seen[0] == 0
-    wait_for_replicas(cluster, 0, timeout_s=120)
+    # Idle again: the replica leaves the KV event hub when Serve shuts it down (KVWorker.__del__),
+    # so /health follows Serve within seconds (dropped for silence it took up to ~35 s), and it is
+    # never 503 on the way (the stopping engine was once seen unhealthy: no_workers for ~3 s).
+    with serve_replica_states(cluster) as states:
+        deadline, answers = time.monotonic() + 120, []
+        while states() and time.monotonic() < deadline:
+            answers.append(health(cluster))
+            time.sleep(0.25)
+        assert not states(), "Serve did not scale the workers to zero within 120 s"
+        gone = time.monotonic()
+        while (answer := health(cluster))[1]["status"] != "scaled_to_zero" and time.monotonic() < gone + 30:
+            answers.append(answer)
+            time.sleep(0.25)
+        lag = time.monotonic() - gone
+    assert answer == (200, {"status": "scaled_to_zero", "workers": 0})
+    assert lag < 5, f"/health said scaled_to_zero {lag:.1f} s after Serve stopped the last replica"
+    assert {code for code, _ in answers} == {200}, sorted({json.dumps(a) for _, a in answers})
+    wait_for_replicas(cluster, 0, timeout_s=10)  # kvmesh_replicas comes from the same hub loads
+
+
+REPLICA_STATES = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
+print("ready", flush=True)
+for _ in sys.stdin:
+    app = serve.status().applications["kvmesh"]
+    print(json.dumps(app.deployments["KVWorker"].replica_states), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def serve_replica_states(cluster):
+    """A function answering Serve's own count of worker replicas by state ({} at zero), from a
+    driver on the cluster: kvmesh_replicas and /health count the workers the hub lists."""
+    driver = subprocess.Popen([sys.executable, "-c", REPLICA_STATES, cluster.ray_address], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=loopback_ray_env())
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+
+        def states() -> dict:
+            driver.stdin.write("status\n")
+            driver.stdin.flush()
+            return {k: v for k, v in json.loads(driver.stdout.readline()).items() if v}
+        yield states
+    finally:
+        driver.stdin.close()
+        driver.wait(timeout=60)
 
 
 STATS = """

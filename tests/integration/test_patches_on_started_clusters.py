@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # raw_http
 from aws_ray_head import aws_ray_head  # noqa: E402
 from listener_probes import answers_http, answers_kvmesh_grpc, listening_ports  # noqa: E402
 from raw_http import connect, request  # noqa: E402
+from reliability_support import ray_processes_below  # noqa: E402
 from test_fake_cluster import free_port  # noqa: E402
 
 from kvmesh.cluster.ray_patches import SETUP_HOOK_ENV  # noqa: E402
@@ -75,21 +76,6 @@ def serve_on_started_cluster(request, tmp_path):
                                 env=env, capture_output=True, text=True, timeout=300)
         assert driver.returncode == 0 and "proxies started" in driver.stdout, driver.stderr[-3000:]
         yield request.param, http_port
-
-
-def _ray_workers(namespace, role: str) -> list:
-    """The Ray worker processes in `namespace` whose title names `role` (e.g. "ProxyActor")."""
-    import psutil
-
-    found = []
-    for proc in psutil.Process(namespace.init_pid).children(recursive=True):
-        try:
-            title = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if title.startswith("ray::") and role in title:
-            found.append(proc)
-    return found
 
 
 def status_and_head(sock) -> tuple[int, bytes]:
@@ -152,7 +138,8 @@ def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path,
             # printed, no proxy or ingress port answers kvmesh's gRPC, no ingress port answers HTTP.
             printed = log.read_text()
             assert "gRPC:" not in printed and "(direct to the ingress replicas)" not in printed, printed[-2000:]
-            proxies, ingress = _ray_workers(namespace, "ProxyActor"), _ray_workers(namespace, "Ingress")
+            proxies = ray_processes_below(namespace.init_pid, "ProxyActor")
+            ingress = ray_processes_below(namespace.init_pid, "Ingress")
             assert proxies and ingress and http_port in listening_ports(proxies), (proxies, ingress)
             assert [p for p in listening_ports(proxies + ingress) if answers_kvmesh_grpc(p)] == []
             assert [p for p in listening_ports(ingress) if answers_http(p)] == []
