@@ -5,12 +5,14 @@
 #   .whl-x    xxhash, httptools, nano-vllm-fork, and xgrammar with pydantic for the grammar tests
 #             (EXTRA="xxhash httptools nano-vllm-fork xgrammar==0.2.9 pydantic==2.14.4 pydantic_core==2.50.5
 #              annotated-types==0.8.0 typing-inspection==0.4.5" ../shared/device/wheels.sh extra .whl-x)
+#   .whl-s    beside .whl-ray for serving: what the ingress and workers import that the device lacks
+#             (EXTRA="xxhash httptools grpcio-health-checking==1.85.1 xgrammar==0.2.9" ../shared/device/wheels.sh extra .whl-s)
 #   .fa-bin   the minimal flash-attn build, or .fa-tgz/fa.tgz (the same, gzipped, to fit beside Ray)
 #   .fi-cache flashinfer's JIT cache
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device/KINDS.md
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-_wheels=$(ls .whl-ray/*.whl .whl-fi/*.whl .whl-x/*.whl 2>/dev/null)
+_wheels=$(ls .whl-ray/*.whl .whl-s/*.whl .whl-fi/*.whl .whl-x/*.whl 2>/dev/null)
 if [ -n "$_wheels" ] && [ -z "${SKIP_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $_wheels || exit 1
 fi

@@ -2,7 +2,7 @@
 # GPU call (nvidia-h200-x2): the serving cluster, 2 GPU replicas of the Qwen3-0.6B shape (random
 # weights, flash_attn, block 256), `kvmesh bench serve` on the tenants workload, kv_events against
 # round_robin: first closed loop (saturation throughput of each policy), then open loop at 80% of
-# round_robin's saturated request rate, the same trace for both. Carries .whl-ray .fa-tgz.
+# round_robin's saturated request rate, the same trace for both. Carries .whl-ray .whl-s .fa-tgz.
 #   PART=scaling: the 1-replica runs and multiturn (issue 8) instead.
 # DRY=1 runs the same steps on the CPU with a tiny model and small numbers (a rehearsal here).
 source bench/gpu_env.sh

@@ -2,7 +2,7 @@
 # GPU call (session 6, nvidia-h200-x2): the tenants runs with Ray Serve's throughput-optimized mode
 # (now the default of a local `kvmesh serve`, cluster/launcher.py) and server.stream_interval 4:
 # an open-loop sweep of offered rates per policy (one cluster per policy, rates in increasing order),
-# the closed loop on 2 replicas and on 1 (scaling). ~8 min. Carries .whl-ray .fa-tgz.
+# the closed loop on 2 replicas and on 1 (scaling). ~8 min. Carries .whl-ray .whl-s .fa-tgz.
 # Knobs: SEED (trace seed, default 1), RATES, DIRECT (a port: use the direct HTTP port), SWEEP_ONLY=1.
 source bench/gpu_env.sh
 source bench/gpu_serve_config.sh

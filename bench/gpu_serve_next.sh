@@ -3,7 +3,7 @@
 # bench/gpu_serve.sh and gpu_serve_sweep.sh again with larger streamed chunks (server.stream_interval,
 # default here 4), with the CPU split of the cluster's processes and per-worker preemptions, to see
 # (1) whether the ~45 req/s frontend ceiling moves, (2) what happens to kv_events at 40 req/s.
-# ~9 min. Carries .whl-ray .fa-tgz (docs/PERF.md "Setup").
+# ~9 min. Carries .whl-ray .whl-s .fa-tgz (docs/PERF.md "Setup").
 source bench/gpu_env.sh
 source bench/gpu_serve_config.sh
 B="python3 -m kvmesh.bench.serve --cpu-split"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU call (nvidia-h200-x2), after bench/gpu_serve.sh: open-loop tenants at rates near round_robin's
 # saturation (it reached 36.6 req/s closed loop; kv_events 40.4), same trace for both policies, and
-# the 1-replica closed loop for the scaling efficiency (issue 8). Carries .whl-ray .fa-tgz.
+# the 1-replica closed loop for the scaling efficiency (issue 8). Carries .whl-ray .whl-s .fa-tgz.
 source bench/gpu_env.sh
 MODEL=random:qwen3-0.6b
 ENGINE="device: cuda, attention_backend: flash_attn, block_size: 256, max_num_seqs: 128, max_num_batched_tokens: 8192, kv_cache_memory_bytes: 21474836480"

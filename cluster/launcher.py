@@ -177,11 +177,15 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
 def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     from kvmesh.cluster.event_hub import kill_hub
 
     try:
-        serve.delete(cfg.app_name)
+        try:
+            serve.delete(cfg.app_name)
+        except RayServeException:  # Serve never started (the deploy failed before serve.start):
+            pass  # nothing to delete, and the failure that got here is the one to report
         kill_hub(cfg.app_name)
         if own_ray:
             serve.shutdown()

@@ -129,3 +129,19 @@ def test_a_replica_that_fails_to_start_is_reported_with_its_exception(tmp_path):
     assert "KVWorker: " in last and "safetensors" in last.split("KVWorker: ", 1)[1].lower(), last
     # Serve's controller logs the replica's traceback on the way; the command's own is not there
     assert "kvmesh/cli.py" not in result.stderr and "launcher.py" not in result.stderr, result.stderr
+
+
+def test_a_failure_before_serve_starts_is_reported_alone(tmp_path):
+    """A deploy that fails after Ray started but before Serve did (here the ingress's import of
+    grpc_health, missing as it was on the GPU machine once) ends in that exception, not in the
+    shutdown's "There is no Serve instance running" chained after it; no process is left."""
+    stub = tmp_path / "stub" / "grpc_health"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'grpc_health' (test stub)\")\n")
+    env = loopback_ray_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub.parent), env.get("PYTHONPATH")) if p)
+    result = run_serve("--model", "random:tiny-llama", env=env, timeout=200)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "ModuleNotFoundError: No module named 'grpc_health' (test stub)", result.stderr[-3000:]
+    assert "There is no Serve instance" not in result.stderr, result.stderr[-3000:]
