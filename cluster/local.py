@@ -8,6 +8,7 @@ integration tests and `kvmesh bench serve --launch` use.
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import signal
@@ -20,10 +21,43 @@ import time
 READY_LINE = "Ctrl-C stops it."
 
 
+RAY_WORKER_PORTS_END = 19999  # Ray's default max_worker_port: its workers bind 10002-19999
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; IANA's elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing is bound to now, for a server that binds it later.
+
+    It is chosen between Ray's worker ports and the kernel's ephemeral range, never by bind(0):
+    a port from the ephemeral range, released and bound again seconds later by Serve's proxy, can
+    meanwhile become the source port of one of the hundreds of connections a starting Ray cluster
+    opens (seen in CI: "Failed to bind to address '127.0.0.1:36877'"). A process never gets the
+    same port twice."""
+    lo, hi = RAY_WORKER_PORTS_END + 1, ephemeral_port_range()[0] - 1
+    if hi - lo < 1000:  # an unusual ephemeral range: fall back to the kernel's choice
+        lo, hi = 0, 0
+    for _ in range(200):
+        port = random.randint(lo, hi) if hi else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in {lo}-{hi} after 200 tries")
 
 
 def with_this_source(env: dict[str, str]) -> dict[str, str]:
@@ -73,16 +107,20 @@ class LocalCluster:
 
     def __init__(self, args: list[str], config: str | None = None, start_timeout_s: float = 180.0,
                  ray_auth: bool = False):
-        self.http_port = free_port()
-        self.grpc_port = free_port()
-        self.args = ([config] if config else []) + list(args) + [
-            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        self.base_args = ([config] if config else []) + list(args)
+        self.http_port = self.grpc_port = 0
+        self.args: list[str] = []
+        self.new_ports()
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.log_path = None
         self.ray_address = None
         self.token_path = new_token_file() if ray_auth else None
         self.ray_env = token_auth_env(self.token_path) if ray_auth else loopback_ray_env()
+
+    def new_ports(self) -> None:
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.args = self.base_args + ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
 
     @property
     def http_url(self) -> str:
@@ -93,6 +131,20 @@ class LocalCluster:
         return f"127.0.0.1:{self.grpc_port}"
 
     def start(self) -> "LocalCluster":
+        """Start and wait for the ready line. A start that failed because one of its two ports
+        was taken between free_port() and the bind (another program's listener) is tried once
+        more on two new ports."""
+        try:
+            return self._start()
+        except RuntimeError:
+            log = self.log()
+            if not any(f"Failed to bind to address '127.0.0.1:{p}'" in log
+                       for p in (self.http_port, self.grpc_port)):
+                raise
+        self.new_ports()
+        return self._start()
+
+    def _start(self) -> "LocalCluster":
         log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-serve-", suffix=".log", delete=False)
         self.log_path = log.name
         self.proc = subprocess.Popen(

@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # deploy_support
 
 from deploy_support import load, ray_start_commands, ray_start_env  # noqa: E402
-from test_fake_cluster import PidNamespace, free_port  # noqa: E402
+from kvmesh.cluster.local import free_port  # noqa: E402
+from test_fake_cluster import PidNamespace  # noqa: E402
 
 
 @dataclass

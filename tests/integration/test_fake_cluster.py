@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from kvmesh.cluster.local import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +48,6 @@ REAPER = ("import os, time\n"
 
 if importlib.util.find_spec("kvmesh.cluster.app") is None:
     pytest.skip("kvmesh.cluster.app is missing: `kvmesh serve` cannot deploy yet", allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.5, on_timeout=lambda: ""):

@@ -27,7 +27,7 @@ from aws_ray_head import aws_ray_head  # noqa: E402
 from listener_probes import answers_http, answers_kvmesh_grpc, listening_ports  # noqa: E402
 from raw_http import connect, request  # noqa: E402
 from reliability_support import ray_processes_below  # noqa: E402
-from test_fake_cluster import free_port  # noqa: E402
+from kvmesh.cluster.local import free_port  # noqa: E402
 
 from kvmesh.cluster.ray_patches import SETUP_HOOK_ENV  # noqa: E402
 

@@ -17,7 +17,8 @@ import urllib.request
 import pytest
 
 from aws_ray_head import aws_ray_head
-from test_fake_cluster import free_port, wait_for
+from kvmesh.cluster.local import free_port
+from test_fake_cluster import wait_for
 
 pytestmark = pytest.mark.slow
 
