@@ -106,7 +106,9 @@ def start_ray(cfg: ServeConfig, address: str | None, out=sys.stdout) -> str:
                                      int(cfg.replicas.num_cpus * (cfg.autoscaling.max_replicas
                                                                    if cfg.autoscaling.enabled
                                                                    else cfg.replicas.num_replicas)) + 2)
-        ray.init(**kwargs)
+        # "local": a Ray of its own, never the one RAY_ADDRESS or a `ray start` on this machine
+        # names (ray.init() would join that one, without this job's environment).
+        ray.init(address="local", **kwargs)
     return ray.get_runtime_context().gcs_address
 
 
@@ -184,8 +186,9 @@ def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
     try:
         try:
             serve.delete(cfg.app_name)
-        except RayServeException:  # Serve never started (the deploy failed before serve.start):
-            pass  # nothing to delete, and the failure that got here is the one to report
+        except RayServeException as e:  # Serve never started (the deploy failed before
+            if "no Serve instance running" not in str(e):  # serve.start): nothing to delete, and
+                raise  # the failure that got here is the one to report
         kill_hub(cfg.app_name)
         if own_ray:
             serve.shutdown()

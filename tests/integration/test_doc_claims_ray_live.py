@@ -29,7 +29,7 @@ from kvmesh import serve_config as serving
 from kvmesh.cluster.launcher import listener_env
 from kvmesh.cluster.local import loopback_ray_env, with_this_source
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.starts_ray]
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER_TIMEOUT_S = 240  # a driver on a busy 2-core machine: import Ray, connect, start a worker
@@ -73,6 +73,17 @@ def seen(names):
 print(json.dumps({"gcs": ray.get_runtime_context().gcs_address,
                   "worker": ray.get(seen.remote(list(launcher.listener_env(cfg))), timeout=180)}),
       flush=True)
+ray.shutdown()
+"""
+
+# A local `kvmesh serve`'s start of Ray (no --address) where RAY_ADDRESS names a running one.
+LOCAL_STARTER = """
+import io, json, sys
+import ray
+from kvmesh.cluster import launcher
+from kvmesh.serve_config import parse_config
+gcs = launcher.start_ray(parse_config({"server": {"host": "127.0.0.1"}}), None, out=io.StringIO())
+print(json.dumps({"gcs": gcs}), flush=True)
 ray.shutdown()
 """
 
@@ -197,6 +208,14 @@ def test_kvmesh_serve_address_passes_the_worker_hook_with_the_server_settings(lo
     # A worker process of the job (as Serve's controller, proxies and replicas are): the hook ran
     # in it (the node's environment names none), with serve.yaml's settings, not the node's.
     assert joined["worker"] == {"env": expected, "hook_ran": True}, joined
+
+
+def test_a_local_kvmesh_serve_starts_a_ray_of_its_own_where_another_is_named(local_ray):
+    """SERVING.md: "Without --address, kvmesh serve starts a Ray of its own on this machine, even
+    where RAY_ADDRESS names a running one"."""
+    _, info = local_ray
+    started = _driver(LOCAL_STARTER, RAY_ADDRESS=info["gcs"])
+    assert started["gcs"] != info["gcs"], started
 
 
 def test_the_hub_is_a_detached_zero_cpu_actor_named_after_the_app_in_the_serve_namespace(local_ray):
