@@ -190,11 +190,9 @@ def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
             if "no Serve instance running" not in str(e):  # serve.start): nothing to delete, and
                 raise  # the failure that got here is the one to report
         kill_hub(cfg.app_name)
-        if own_ray:
-            serve.shutdown()
     finally:
-        if own_ray:
-            ray.shutdown()
+        if own_ray:  # the app's replicas have drained: stopping Ray ends Serve's controller and
+            ray.shutdown()  # proxies (serve.shutdown() only added Ray's "graceful_shutdown failed")
 
 
 def fit_to_this_machine(cfg: ServeConfig, address: str | None, out=sys.stdout) -> ServeConfig:
