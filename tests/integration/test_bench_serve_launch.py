@@ -7,7 +7,7 @@ import pytest
 
 from kvmesh.bench import serve
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.starts_ray]
 
 
 def test_launch_runs_the_trace_and_splits_cpu_time_by_process(tmp_path, capsys):

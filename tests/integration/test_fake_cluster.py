@@ -32,7 +32,7 @@ import yaml
 
 from kvmesh.cluster.local import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.starts_ray]
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = REPO / "deploy" / "local-fake.yaml"

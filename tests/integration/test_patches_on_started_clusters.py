@@ -31,7 +31,7 @@ from kvmesh.cluster.local import free_port  # noqa: E402
 
 from kvmesh.cluster.ray_patches import SETUP_HOOK_ENV  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.starts_ray]
 
 MAX_HEADER_BYTES = 65_536  # server.max_header_bytes's default, what the patch applies unset
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.cluster.local import loopback_ray_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.starts_ray]
 
 DURATION_S = 60
 

@@ -17,6 +17,8 @@ import pytest
 
 from kvmesh.cluster.local import free_port, loopback_ray_env
 
+pytestmark = pytest.mark.starts_ray  # some of its `kvmesh serve` runs start Ray before they fail
+
 
 def run_serve(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`kvmesh serve ARGS` in its own process group, to its end; afterwards no process of that group
