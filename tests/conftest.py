@@ -1,11 +1,11 @@
-import fcntl
 import os
 import sys
-import tempfile
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+
+from ray_start_lock import ray_start_lock
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -25,36 +25,9 @@ def shared_dir() -> Path:
     return SHARED
 
 
-# Two pytest workers (pytest-xdist, as the README's test command runs) must not start Ray nodes at
-# the same time: on a 2-core machine a raylet starting beside another cluster's start-up missed
-# Ray's 30 s registration deadline ("The current node timed out during startup"). So each fixture
-# of tests/integration (where the modules start their clusters) and the whole of each test marked
-# `starts_ray` (whose body starts Ray) run holding one lock file shared by this run's workers.
-# Without xdist there is one process and no lock.
-
-_held = 0  # this process's depth inside the lock (a fixture may set up another inside itself)
-
-
-@contextmanager
-def ray_start_lock():
-    global _held
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None or _held:
-        _held += 1
-        try:
-            yield
-        finally:
-            _held -= 1
-        return
-    with open(Path(tempfile.gettempdir()) / f"kvmesh-pytest-{run}-ray-start.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        _held += 1
-        try:
-            yield
-        finally:
-            _held -= 1
-            fcntl.flock(f, fcntl.LOCK_UN)
-
+# Under pytest-xdist, Ray start-ups wait for each other (tests/ray_start_lock.py): each fixture of
+# tests/integration (where the modules start their clusters) and the whole of each test marked
+# `starts_ray` (whose body starts Ray) run holding the lock.
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 

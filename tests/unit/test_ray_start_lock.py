@@ -1,5 +1,5 @@
-"""tests/conftest.py's Ray start lock: under pytest-xdist (PYTEST_XDIST_TESTRUNUID set) two
-worker processes never hold it at once, and a process that holds it can take it again (a fixture
+"""tests/ray_start_lock.py (held by tests/conftest.py): under pytest-xdist (PYTEST_XDIST_TESTRUNUID
+set) two worker processes never hold it at once, and a process that holds it can take it again (a fixture
 that sets up another inside itself); without xdist it is no lock."""
 
 import json
@@ -9,14 +9,14 @@ import sys
 import uuid
 from pathlib import Path
 
-import conftest
+import ray_start_lock as lock
 
 TESTS = Path(__file__).resolve().parents[1]
 
 HOLDER = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from conftest import ray_start_lock
+from ray_start_lock import ray_start_lock
 with ray_start_lock():
     start = time.time()
     with ray_start_lock():  # taken again inside: no deadlock
@@ -37,10 +37,10 @@ def test_two_workers_of_one_run_hold_it_one_after_the_other():
 
 def test_without_xdist_it_takes_no_lock_file(monkeypatch, tmp_path):
     monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
-    monkeypatch.setattr(conftest.tempfile, "gettempdir", lambda: str(tmp_path))
-    with conftest.ray_start_lock(), conftest.ray_start_lock():
+    monkeypatch.setattr(lock.tempfile, "gettempdir", lambda: str(tmp_path))
+    with lock.ray_start_lock(), lock.ray_start_lock():
         assert list(tmp_path.iterdir()) == []
-    assert conftest._held == 0
+    assert lock._held == 0
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "run1")  # with it: the run's file
-    with conftest.ray_start_lock():
+    with lock.ray_start_lock():
         assert [p.name for p in tmp_path.iterdir()] == ["kvmesh-pytest-run1-ray-start.lock"]
