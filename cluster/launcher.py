@@ -12,12 +12,15 @@ runtime_env carries the same hook and settings to the Serve processes it starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import sys
 import threading
 import time
+
+from contextlib import contextmanager
 
 from kvmesh.cluster.ray_token import enable_token_auth
 from kvmesh.serve_config import ServeConfig
@@ -145,6 +148,26 @@ def deployment_failures(app_name: str, max_chars: int = 2000) -> str:
     return "; ".join(reasons)
 
 
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextmanager
+def _quiet(logger_name: str, prefix: str):
+    """Drop `logger_name`'s records that start with `prefix` for the duration."""
+    log, drop = logging.getLogger(logger_name), _DropMessages(prefix)
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
 def deploy(cfg: ServeConfig) -> dict[str, str]:
     """Start Serve's proxies and deploy the app; returns the endpoints."""
     from ray import serve
@@ -162,8 +185,11 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
                                          keep_alive_timeout_s=cfg.server.keep_alive_timeout_s),
                 grpc_options=grpc)
     try:
-        serve.run(build_app(cfg.to_dict()), name=cfg.app_name, route_prefix=cfg.route_prefix,
-                  blocking=False)
+        # serve.run connects to the Serve just started and logs that "New http_options/
+        # controller_options will not be applied": they were, by serve.start above.
+        with _quiet("ray.serve", "Connecting to existing Serve app"):
+            serve.run(build_app(cfg.to_dict()), name=cfg.app_name, route_prefix=cfg.route_prefix,
+                      blocking=False)
     except RuntimeError as e:  # Serve's message names the deployments, not why they failed
         raise DeployError(f"{e} {deployment_failures(cfg.app_name)}".strip()) from None
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host

@@ -688,10 +688,12 @@ def test_lm_eval_runs_a_loglikelihood_and_a_generate_until_task(cluster, tmp_pat
 
 def test_kvmesh_serve_prints_the_http_and_grpc_endpoints_and_the_ray_address(cluster):
     """Run it: "`kvmesh serve` prints the endpoints (`OpenAI HTTP: http://127.0.0.1:8000/v1`, `gRPC:
-    127.0.0.1:9000`) and the Ray address"."""
+    127.0.0.1:9000`) and the Ray address"; and not Serve's "New http_options/controller_options will
+    not be applied" (its run connecting to the Serve kvmesh serve had just started with them)."""
     import re
 
     log = cluster.log()
+    assert "will not be applied" not in log, log[-2000:]
     assert f"OpenAI HTTP: {cluster.http_url}/v1\n" in log, log[-2000:]
     assert re.search(rf"gRPC:\s+{re.escape(cluster.grpc_target)} ", log), log[-2000:]
     ray_line = re.search(r"ray:\s+(\S+)", log)
