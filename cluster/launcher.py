@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-
 from contextlib import contextmanager
 
 from kvmesh.cluster.ray_token import enable_token_auth
