@@ -47,7 +47,7 @@ def free_port() -> int:
     if hi - lo < 1000:  # an unusual ephemeral range: fall back to the kernel's choice
         lo, hi = 0, 0
     for _ in range(200):
-        port = random.randint(lo, hi) if hi else 0
+        port = random.randint(lo, hi)  # 0: the kernel's choice
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
