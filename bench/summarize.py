@@ -24,3 +24,7 @@ for path in sys.argv[1:]:
               f"({w['gpu_busy_fraction']:.1%}); by tenth of its span "
               + " ".join(f"{b:.0%}" for b in w.get("gpu_busy_by_tenth", [])) + "; " + "; ".join(f"{ms:.1f} ms {name[:50]}" for name, ms
                                                                in list(w["kernel_ms_by_name"].items())[:8]))
+        if "short_gap_ms" in w:
+            print(f"  idle: {w['short_gap_ms']:.1f} ms in {w['short_gaps']} gaps under 20 us, {w['long_gap_ms']:.1f} ms "
+                  "in longer ones; short gaps before: " + "; ".join(
+                      f"{ms:.1f} ms {name[:50]}" for name, ms in list(w["short_gap_ms_before"].items())[:8]))

@@ -102,15 +102,17 @@ def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-    spans, by_name, calls = [], {}, {}
+    spans, names, by_name, calls = [], [], {}, {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             start, dur = float(e["ts"]), float(e.get("dur", 0.0))
             spans.append((start, start + dur))
             name = e["name"][:80]  # template variants of one kernel share a name here
+            names.append(name)
             by_name[name] = by_name.get(name, 0.0) + dur
             calls[name] = calls.get(name, 0) + 1
     busy_us = union_length(spans)
+    gaps = idle_gaps(spans, names)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:24]
     tenths = []  # busy share of each tenth of the span from the first kernel to the last
     if spans:
@@ -123,7 +125,31 @@ def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
             "gpu_busy_fraction": busy_us / 1e6 / wall_seconds if wall_seconds > 0 else 0.0,
             "gpu_busy_by_tenth": tenths,
             "kernels": len(spans), "kernel_ms_by_name": {name: us / 1e3 for name, us in top},
-            "kernel_calls_by_name": {name: calls[name] for name, _ in top}}
+            "kernel_calls_by_name": {name: calls[name] for name, _ in top}, **gaps}
+
+
+SHORT_GAP_US = 20.0  # an idle gap shorter than this is a launch's, not the host's
+
+
+def idle_gaps(spans: list[tuple[float, float]], names: list[str]) -> dict:
+    """The device's idle time between the first interval and the last, in microsecond spans: short gaps
+    (under SHORT_GAP_US: the wait between one kernel's end and the next one's start, inside a graph or
+    a queue) against long ones (the device waiting for the host), and the short gaps' time by the name
+    of the kernel that ends them (what launched late)."""
+    short_us, long_us, short_count, before = 0.0, 0.0, 0, {}
+    reach = None
+    for (start, end), name in sorted(zip(spans, names)):
+        if reach is not None and start > reach:
+            gap = start - reach
+            if gap < SHORT_GAP_US:
+                short_us, short_count = short_us + gap, short_count + 1
+                before[name] = before.get(name, 0.0) + gap
+            else:
+                long_us += gap
+        reach = end if reach is None else max(reach, end)
+    top = sorted(before.items(), key=lambda kv: -kv[1])[:12]
+    return {"short_gap_ms": short_us / 1e3, "short_gaps": short_count, "long_gap_ms": long_us / 1e3,
+            "short_gap_ms_before": {name: us / 1e3 for name, us in top}}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:

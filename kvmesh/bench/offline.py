@@ -287,6 +287,11 @@ def print_table(r: dict) -> None:
         calls = w.get("kernel_calls_by_name", {})
         for name, ms in w["kernel_ms_by_name"].items():
             print(f"    {ms:9.2f} ms  {calls.get(name, 0):8d} calls  {name}")
+        if "short_gap_ms" in w:
+            print(f"  idle between kernels: {w['short_gap_ms']:.1f} ms in {w['short_gaps']} gaps under "
+                  f"20 us, {w['long_gap_ms']:.1f} ms in longer ones; the short gaps by the kernel after them:")
+            for name, ms in w["short_gap_ms_before"].items():
+                print(f"    {ms:9.2f} ms  {name}")
 
 
 def _device_name(device) -> str:

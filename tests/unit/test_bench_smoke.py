@@ -182,3 +182,18 @@ def test_union_length_counts_overlapping_spans_once():
     assert union_length([]) == 0.0
     assert union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]) == 4.0
     assert union_length([(4.0, 5.0), (0.0, 1.0)]) == 2.0
+
+
+def test_idle_gaps_splits_launch_gaps_from_host_waits_and_names_the_late_kernel():
+    from kvmesh.bench.engine_probe import idle_gaps
+
+    spans = [(0.0, 10.0), (12.0, 20.0), (18.0, 30.0), (31.5, 40.0), (140.0, 150.0)]
+    names = ["gemm", "norm", "attn", "norm", "gemm"]
+    gaps = idle_gaps(spans, names)
+    # 2 us before the first norm, 1.5 before the second (the overlap of norm and attn is no gap);
+    # 100 us before the last gemm is the host's
+    assert gaps["short_gaps"] == 2 and abs(gaps["short_gap_ms"] - 3.5e-3) < 1e-12
+    assert abs(gaps["long_gap_ms"] - 0.1) < 1e-12
+    assert gaps["short_gap_ms_before"] == {"norm": 3.5e-3}
+    assert idle_gaps([], []) == {"short_gap_ms": 0.0, "short_gaps": 0, "long_gap_ms": 0.0,
+                                 "short_gap_ms_before": {}}
