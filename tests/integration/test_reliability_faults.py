@@ -179,7 +179,9 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
         requests_per_worker(cluster)), 20, what="request counts reported")
     got = {w: after[w] - before.get(w, 0) for w in after}
     print("slow replica", slow_id, "requests per worker:", got)
-    assert got[slow_id] < 0.5 * sum(got.values()), got  # under its fair half (seen: 9 to 32 of 80)
+    # under its fair half (seen: 9 to 32 of 80 serially). Mostly Serve's queue-length probe's doing,
+    # which a loaded machine weakens (docs/RELIABILITY.md, known limits)
+    assert got[slow_id] < 0.5 * sum(got.values()), got
 
 
 def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
