@@ -13,9 +13,7 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
      PYTHONPATH=. python3 bench/gpu_kernels.py --gemm $OUT/gemm.json   the decoder's GEMMs at
        Qwen3-0.6B's shapes by tokens per step, cuBLAS against cuBLASLt (torch's preferred BLAS
        library), as CUDA-graph replays against the copy rate over the weights' bytes, each against
-       a float32 product
-     PYTHONPATH=. python3 bench/gpu_kernels.py --pdl $OUT/pdl.json   programmatic dependent launch of
-       the decode path's Triton kernels (kvmesh.kernels.pdl), on and off, in CUDA-graph chains"""
+       a float32 product"""
 
 import importlib.util
 import json
@@ -256,59 +254,6 @@ def gemm():
     save_rows(bw, rows)
 
 
-def pdl():
-    """Programmatic dependent launch (kvmesh.kernels.pdl) as CUDA-graph replays: 28 MLP halves of a
-    Qwen3-0.6B layer (add_rms_norm, the gate_up GEMM, silu_and_mul, the down GEMM: a Triton kernel after
-    each cuBLAS one), and 200 add_rms_norm launches in a row (Triton after Triton), by tokens, with
-    the Triton kernels launched with PDL and without; the outputs must be the same bits."""
-    import torch.nn.functional as F
-
-    import kvmesh.kernels.pdl as pdl_switch
-    from kvmesh.kernels.rms_norm import add_rms_norm
-    from kvmesh.kernels.silu_and_mul import silu_and_mul
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    d, inter, layers = 1024, 3072, 28
-    gate_up = [torch.randn(2 * inter, d, device="cuda", dtype=torch.bfloat16, generator=gen) / d ** 0.5
-               for _ in range(layers)]
-    down = [torch.randn(d, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter ** 0.5
-            for _ in range(layers)]
-    norm_w = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for tokens in (1, 8, 64, 256):
-        x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        residual = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-        def mlp():
-            h, r = x, residual
-            for i in range(layers):
-                n, r = add_rms_norm(h, r, norm_w, 1e-6)
-                h = F.linear(silu_and_mul(F.linear(n, gate_up[i])), down[i])
-            return h + r
-
-        def norms():
-            h, r = x, residual
-            for _ in range(200):
-                h, r = add_rms_norm(h, r, norm_w, 1e-6)
-            return h
-
-        for label, fn, edges in (("mlp x28", mlp, 2 * layers), ("add_rms_norm x200", norms, 199)):
-            times, outs = {False: [], True: []}, {}
-            for on in (False, True, False, True):
-                pdl_switch.ENABLED = on
-                outs[on] = fn()
-                times[on].append(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3)
-            same = torch.equal(outs[False], outs[True])
-            off, on_ = min(times[False]), min(times[True])
-            rows.append(dict(tokens=tokens, chain=label, us_off=off, us_on=on_, pdl_edges=edges,
-                             saved_us_per_edge=(off - on_) / edges, same_bits=same))
-            print(f"tokens {tokens:4d} {label:18s} off {off:8.1f} us  on {on_:8.1f} us  "
-                  f"{(off - on_) / edges:+.2f} us per PDL edge  same bits {same}", flush=True)
-    pdl_switch.ENABLED = False
-    save_rows(float("nan"), rows)
-
-
 if __name__ == "__main__":
-    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--sampler": sampler, "--gemm": gemm,
-             "--pdl": pdl}
+    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--sampler": sampler, "--gemm": gemm}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

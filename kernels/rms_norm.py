@@ -13,23 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.pdl import use_pdl
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_outer, stride_inner, num_inner, eps,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     outer = row // num_inner
     inner = row % num_inner
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL:  # x is the previous kernel's output (kvmesh.kernels.pdl)
-        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + outer * stride_outer + inner * stride_inner + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
     y = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -49,22 +45,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     rows = out.numel() // d
     if rows:
-        pdl = use_pdl(x.device)
         _rms_norm_kernel[(rows,)](x, weight, out, stride_outer, stride_inner, num_inner, eps,
-                                  D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
-                                  PDL=pdl, launch_pdl=pdl)
+                                  D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1)
     return out
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL:  # x (and the residual) are earlier kernels' outputs (kvmesh.kernels.pdl)
-        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
     total = (x + r).to(sum_ptr.dtype.element_ty)
@@ -72,6 +62,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, D: tl.const
     x = total.to(tl.float32)  # what the unfused norm reads back
     rstd = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
     y = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -82,7 +73,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     total = torch.empty_like(x)
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     if n:
-        pdl = use_pdl(x.device)
         _add_rms_norm_kernel[(n,)](x, residual, weight, out, total, eps, D=d, BLOCK_D=triton.next_power_of_2(d),
-                                   num_warps=4 if d >= 1024 else 1, PDL=pdl, launch_pdl=pdl)
+                                   num_warps=4 if d >= 1024 else 1)
     return out, total

@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.pdl import use_pdl
 from kvmesh.kernels.store_kvcache import FP8_E4M3_MAX, cache_value
 
 
@@ -29,7 +28,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions,
                    k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads, num_k_heads,
                    eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                   FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+                   FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -46,20 +45,14 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions,
         src = k_ptr + token * stride_kt + kv_head * stride_kh
         w_ptr = wk_ptr
     dtype = q_out.dtype.element_ty
-    if NORM:
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        w1 = tl.zeros([BLOCK], tl.float32)
-        w2 = w1
-    if PDL:  # q, k and v are the previous kernel's output (kvmesh.kernels.pdl)
-        tl.extra.cuda.gdc_wait()
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM:  # the norm's reduction over the whole row at once, as rms_norm's kernel (the same float32 sum)
         row = tl.arange(0, 2 * BLOCK)
         whole = tl.load(src + row, mask=row < 2 * HALF, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(whole * whole, 0) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)  # the norm's output
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(dtype)
@@ -110,14 +103,13 @@ def _launch(positions, q, k, cos, sin, norm=None, store=None):
     else:
         v, k_cache, v_cache, slot_mapping, fp8, k_inv, v_inv = k, q, q, positions, False, 1.0, 1.0
     if num_tokens:
-        half, pdl = head_dim // 2, use_pdl(q.device)
+        half = head_dim // 2
         _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
             q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
             k_cache, v_cache, slot_mapping, k_inv, v_inv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             num_q_heads, num_k_heads, eps, HALF=half, BLOCK=triton.next_power_of_2(half),
-            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=1,
-            PDL=pdl, launch_pdl=pdl)
+            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=1)
     return q_out, k_out
 
 

@@ -18,18 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.pdl import use_pdl
-
 
 @triton.jit
 def _sample_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, best_ptr, best_id_ptr, seed, vocab,
-                           num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                           num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, chunk): the best score of its CHUNK ids and the lowest id that reaches it."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    inv_temp = tl.load(inv_temp_ptr + row)  # copied in before this launch, on its stream
-    if PDL:  # the logits are the previous kernel's output (kvmesh.kernels.pdl)
-        tl.extra.cuda.gdc_wait()
+    inv_temp = tl.load(inv_temp_ptr + row)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.full([BLOCK], 2147483647, tl.int32)
@@ -53,12 +49,10 @@ def _sample_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, best_ptr, best_
 
 
 @triton.jit
-def _sample_reduce_kernel(best_ptr, best_id_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+def _sample_reduce_kernel(best_ptr, best_id_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     i = tl.arange(0, CHUNKS)
     mask = i < num_chunks
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     best = tl.load(best_ptr + row * num_chunks + i, mask=mask, other=float("-inf"))
     best_id = tl.load(best_id_ptr + row * num_chunks + i, mask=mask, other=2147483647)
     top = tl.max(best, axis=0)
@@ -83,13 +77,12 @@ def sample_from_logits(logits: torch.Tensor, inv_temperature: torch.Tensor, seed
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        num_chunks, pdl = triton.cdiv(vocab, chunk), use_pdl(logits.device)
+        num_chunks = triton.cdiv(vocab, chunk)
         best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
         best_id = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
         _sample_partial_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temperature, best, best_id,
                                                    seed, vocab, num_chunks, CHUNK=chunk, BLOCK=1024,
-                                                   num_warps=4, PDL=pdl, launch_pdl=pdl)
+                                                   num_warps=4)
         _sample_reduce_kernel[(rows,)](best, best_id, out, num_chunks,
-                                       CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1,
-                                       PDL=pdl, launch_pdl=pdl)
+                                       CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
     return out

@@ -4,16 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.pdl import use_pdl
-
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < I
-    if PDL:  # x is the previous kernel's output (kvmesh.kernels.pdl)
-        tl.extra.cuda.gdc_wait()
     gate = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + I + col, mask=mask, other=0.0)
     # torch computes silu in float32 and rounds it, then multiplies in the input dtype
@@ -29,7 +25,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inner = width // 2
     out = torch.empty(rows, inner, dtype=x.dtype, device=x.device)
     if rows:
-        block, pdl = 1024, use_pdl(x.device)
-        _silu_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, x.stride(0), I=inner, BLOCK=block, num_warps=4,
-                                                                PDL=pdl, launch_pdl=pdl)
+        block = 1024
+        _silu_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, x.stride(0), I=inner, BLOCK=block, num_warps=4)
     return out

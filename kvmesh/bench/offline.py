@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size (default 16, rounded up to the backend's block_size_multiple)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use; the KV pool gets what the weights "
+                        "and activations leave (default 0.9)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default 4096, or what the longest request needs when that is more")
@@ -87,6 +90,7 @@ def engine_args(args) -> dict:
     return dict(device=args.device, attention_backend=args.attention_backend, block_size=block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=max_model_len, enforce_eager=args.enforce_eager,
+                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                 torch_compile=getattr(args, "torch_compile", False),
                 async_scheduling=getattr(args, "async_scheduling", None),
@@ -161,6 +165,7 @@ def run(args) -> int:
         "model": args.model, "workload": args.workload, "device": _device_name(device), "attention_backend": engine.runner.backend.name,
         "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
         "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_blocks": engine.num_kv_blocks,
+        "preemptions": engine.scheduler.num_preemptions,  # a pool too small for the workload shows here
         "async_scheduling": engine.async_scheduling, "torch_compile": engine.config.torch_compile,
         # the floor below is one GPU's, whatever the tensor-parallel size
         "tensor_parallel_size": engine.config.tensor_parallel_size,

@@ -35,6 +35,29 @@ def test_offline_smoke(capsys):
     assert 0 < r["floor_ratio"] < 1 and r["floor_seconds"] > 0
     assert r["steps"] >= max(expected.max_tokens)  # one step per output token of the longest request
     assert r["structured_outputs"] == "none" and r["grammar_completed"] == 0
+    assert r["preemptions"] == 0
+
+
+def test_offline_passes_gpu_memory_utilization_and_counts_preemptions(capsys, monkeypatch):
+    """--gpu-memory-utilization reaches the engine (out of range: an error naming it, exit 2); a pool
+    too small for the workload shows as preemptions in the JSON."""
+    import argparse
+
+    from kvmesh.bench.offline import add_arguments, engine_args
+    from kvmesh.worker import kv_sizing
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_args(parser.parse_args(["--gpu-memory-utilization", "0.35"]))["gpu_memory_utilization"] == 0.35
+    assert engine_args(parser.parse_args([]))["gpu_memory_utilization"] == 0.9
+    assert main(["bench", "offline", *TINY, "--gpu-memory-utilization", "1.5"]) == 2
+    assert "gpu_memory_utilization" in capsys.readouterr().err
+    # 64 KiB of KV on the CPU: 8-16 blocks of 16 tokens, against 6 requests of up to 4 blocks each
+    monkeypatch.setattr(kv_sizing, "CPU_DEFAULT_KV_BYTES", 64 * 1024)
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "6", "--max-input-len", "40",
+                          "--max-output-len", "24", "--min-len", "20", "--block-size", "16", "--json"])
+    assert r["kv_blocks"] <= 16 and r["preemptions"] > 0
+    assert r["output_tokens"] == nano_vllm_workload(6, 40, 24, 20).num_output_tokens  # nothing lost
 
 
 def test_offline_with_structured_outputs_masks_every_request(capsys):
