@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_start_lock import ray_start_lock
+from ray_start_lock import cpu_slot, ray_start_lock
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -37,6 +37,14 @@ def pytest_fixture_setup(fixturedef, request):
     code = getattr(fixturedef.func, "__code__", None)
     ours = code is not None and Path(code.co_filename).resolve().parent == INTEGRATION
     with ray_start_lock() if ours else nullcontext():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # a test marked `alone` runs while the other xdist worker runs no test (its setup and teardown
+    # included); every other test holds the slot shared (tests/ray_start_lock.py)
+    with cpu_slot(alone=item.get_closest_marker("alone") is not None):
         yield
 
 

@@ -147,6 +147,7 @@ def test_an_abort_storm_leaves_no_kv_block_in_use(cluster):
 
 # ---- slow replica ---------------------------------------------------------------------------------
 
+@pytest.mark.alone  # its share of the work moves with the machine's load (README)
 def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
     # warm both replicas so each has served (and logged) a request
     traffic(cluster).run(8, 4, {"whole": 1.0})
@@ -184,6 +185,7 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
     assert got[slow_id] < 0.5 * sum(got.values()), got
 
 
+@pytest.mark.alone  # its share of the work moves with the machine's load (README)
 def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     pids = worker_pids(cluster)
     stalled_id = sorted(set(free_blocks(cluster)) & set(pids))[0]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -44,3 +45,46 @@ def test_without_xdist_it_takes_no_lock_file(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "run1")  # with it: the run's file
     with lock.ray_start_lock():
         assert [p.name for p in tmp_path.iterdir()] == ["kvmesh-pytest-run1-ray-start.lock"]
+
+
+SLOT_USER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from ray_start_lock import cpu_slot
+alone, at, hold = sys.argv[2] == "alone", float(sys.argv[3]), float(sys.argv[4])
+time.sleep(max(0.0, at - time.time()))
+asked = time.time()
+with cpu_slot(alone=alone):
+    start = time.time()
+    time.sleep(hold)
+print(json.dumps([asked, start, time.time()]))
+"""
+
+
+def _slot_users(specs):
+    """Processes of one run taking the cpu slot: (alone or shared, when it asks in seconds from a
+    common start 2 s ahead (past the processes' start-up), how long it holds it) each."""
+    env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": uuid.uuid4().hex}
+    t0 = time.time() + 2.0
+    procs = [subprocess.Popen([sys.executable, "-c", SLOT_USER, str(TESTS), kind, str(t0 + delay), str(hold)],
+                              env=env, stdout=subprocess.PIPE, text=True) for kind, delay, hold in specs]
+    spans = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return spans
+
+
+def test_shared_holders_run_together_and_an_alone_one_waits_for_them_and_blocks_new_ones():
+    # a shared holder from t=0 to 2; an `alone` one asks at 0.7; a shared one asks at 1.4
+    shared, alone, late = _slot_users([("shared", 0.0, 2.0), ("alone", 0.7, 1.0), ("shared", 1.4, 0.2)])
+    assert alone[0] < shared[2] and late[0] < alone[1]  # each asked while the one before held it
+    assert alone[1] >= shared[2], "the alone test started while another test ran"
+    assert late[1] >= alone[2], "a test started while the alone test waited or ran"
+    a, b = _slot_users([("shared", 0.0, 1.0), ("shared", 0.2, 1.0)])
+    assert b[1] < a[2], "two shared holders did not run at the same time"
+
+
+def test_without_xdist_the_slot_takes_no_lock_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
+    monkeypatch.setattr(lock.tempfile, "gettempdir", lambda: str(tmp_path))
+    with lock.cpu_slot(alone=True), lock.cpu_slot(alone=False):
+        assert list(tmp_path.iterdir()) == []
