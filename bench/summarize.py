@@ -18,6 +18,11 @@ for path in sys.argv[1:]:
         print(f"  peer {name}: {p}")
     if r.get("profile"):
         print(r["profile"])
+    t = r.get("step_times")
+    if t and "fixed_ms" in t:
+        print(f"  decode step = {t['fixed_ms']:.3f} ms + {t['per_seq_us']:.2f} us/seq + {t['per_kv_token_ns']:.3f} "
+              f"ns/KV token (r2 {t['r2']:.3f}, {t['decode_steps']} steps {t['decode_ms']:.0f} ms; fixed "
+              f"{t['fixed_share_of_decode']:.0%}); other steps {t['other_steps']} {t['other_ms']:.0f} ms")
     if r.get("profile_window"):
         w = r["profile_window"]
         print(f"  window of {w['steps']} steps: GPU busy {w['gpu_busy_ms']:.1f} of {w['wall_ms']:.1f} ms "

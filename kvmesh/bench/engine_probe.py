@@ -7,8 +7,12 @@ from contextlib import nullcontext
 
 class StepProbe:
     def __init__(self, engine, profile_step: int | None = None, profile_path: str | None = None,
-                 profile_window: tuple[int, int] | None = None):
+                 profile_window: tuple[int, int] | None = None, step_times: bool = False):
         self.engine = engine
+        # with step_times, each execute's span on the device: CUDA events on its stream (a GPU runs
+        # steps in the order they were queued, so the span is the step's own), host clocks on a CPU
+        self.step_times = step_times
+        self._marks: list[tuple] = []
         self.steps: list[tuple[list[int], list[int], int]] = []  # (query_lens, seq_lens, num_sampled)
         self.step_seconds = 0.0
         self.execute_seconds = 0.0
@@ -30,7 +34,23 @@ class StepProbe:
 
     def reset(self) -> None:
         self.steps.clear()
+        self._marks.clear()
         self.step_seconds = self.execute_seconds = 0.0
+
+    def step_device_ms(self) -> list[float]:
+        """Each recorded step's device time in ms (waits for the device)."""
+        sync(self.engine.device)
+        return [start.elapsed_time(end) if hasattr(start, "elapsed_time") else (end - start) * 1e3
+                for start, end in self._marks]
+
+    def _mark(self):
+        if self.engine.device.type == "cuda":
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def _step(self):
         self._follow_window()
@@ -72,14 +92,50 @@ class StepProbe:
         profiling = self.profile_step is not None and len(self.steps) == self.profile_step
         ctx = _profiler() if profiling else nullcontext()
         start = time.perf_counter()
+        mark = self._mark() if self.step_times else None
         with ctx as prof:
             result = self._runner_execute(output, *args)
+        if mark is not None:
+            self._marks.append((mark, self._mark()))
         self.execute_seconds += time.perf_counter() - start
         if profiling:
             self.profile_table = _describe_profile(prof, scheduled)
             if self.profile_path:
                 prof.export_chrome_trace(self.profile_path)
         return result
+
+
+def fit_decode_steps(steps: list[tuple[list[int], list[int], int]], device_ms: list[float]) -> dict:
+    """Least squares over the decode-only steps (every sequence one new token): device ms = fixed +
+    per sequence x batch + per KV token x context tokens read, refitted twice without the steps more
+    than 3 robust deviations off (a step whose span includes a wait for the host). `fixed` is what a
+    step costs whatever its batch (the weights, and the launches that do not grow with it); the rest
+    grows with the work."""
+    import numpy as np
+
+    rows = [(len(q), sum(ctx), ms) for (q, ctx, _), ms in zip(steps, device_ms) if q and all(n == 1 for n in q)]
+    decode_ms = sum(ms for _, _, ms in rows)
+    out = {"decode_steps": len(rows), "decode_ms": decode_ms,
+           "other_steps": len(device_ms) - len(rows), "other_ms": sum(device_ms) - decode_ms,
+           # each step as [sequences, KV tokens read, device ms], for a fit of one's own
+           "steps": [[len(q), sum(ctx), round(ms, 4)] for (q, ctx, _), ms in zip(steps, device_ms)]}
+    if len(rows) < 4:
+        return out
+    a = np.array([[1.0, b, t] for b, t, _ in rows])
+    y = np.array([ms for _, _, ms in rows])
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):  # fit, then refit without the outliers (a step the host held up: its span waited)
+        coef, *_ = np.linalg.lstsq(a[keep], y[keep], rcond=None)
+        residual = y - a @ coef
+        spread = 1.4826 * float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
+        keep = np.abs(residual) <= max(3.0 * spread, 1e-9 * float(np.abs(y).max()))
+    coef, *_ = np.linalg.lstsq(a[keep], y[keep], rcond=None)
+    residual = y[keep] - a[keep] @ coef
+    r2 = 1.0 - float(residual @ residual) / float(((y[keep] - y[keep].mean()) ** 2).sum() or 1.0)
+    fixed = float(coef[0])
+    return {**out, "fixed_ms": fixed, "per_seq_us": float(coef[1]) * 1e3, "per_kv_token_ns": float(coef[2]) * 1e6,
+            "r2": r2, "fitted_steps": int(keep.sum()),
+            "fixed_share_of_decode": fixed * len(rows) / decode_ms if decode_ms else 0.0}
 
 
 def sync(device) -> None:

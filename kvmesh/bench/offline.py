@@ -70,6 +70,9 @@ def add_arguments(p) -> None:
                    help="profile the GPU's kernels from step FIRST to step LAST of the run (no host "
                         "tracing) and report how busy the GPU was over that wall time: whether the "
                         "device or the host loop bounds the run")
+    p.add_argument("--step-times", action="store_true",
+                   help="time each step on the device and fit the decode steps' time to a fixed cost "
+                        "per step + a cost per sequence + a cost per KV token read (JSON key step_times)")
     p.add_argument("--structured-outputs", choices=["none", "json"], default="none",
                    help="json: every request's output must match STRUCTURED_SCHEMA (an object holding "
                         "an array of strings), to measure the grammar mask's cost; a request may then "
@@ -104,7 +107,7 @@ def run(args) -> int:
     import torch
 
     from kvmesh import LLM, SamplingParams, StructuredOutputs
-    from kvmesh.bench.engine_probe import StepProbe
+    from kvmesh.bench.engine_probe import StepProbe, fit_decode_steps
     from kvmesh.bench.floor import FloorCounter, ModelShape, measure_ceilings
     from kvmesh.bench.peers import run_peer
 
@@ -128,7 +131,8 @@ def run(args) -> int:
     # warm-up: compile kernels, touch the allocator (not timed)
     llm.generate(prompt_token_ids=[[i % vocab for i in range(args.min_len)]] * 2,
                  sampling_params=SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)
-    probe = StepProbe(engine, args.profile_step, args.profile_trace, window)
+    probe = StepProbe(engine, args.profile_step, args.profile_trace, window,
+                      step_times=getattr(args, "step_times", False))
     structured = (StructuredOutputs(json=STRUCTURED_SCHEMA)
                   if getattr(args, "structured_outputs", "none") == "json" else None)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=m,
@@ -198,6 +202,8 @@ def run(args) -> int:
         result["profile"] = probe.profile_table
     if probe.window is not None:
         result["profile_window"] = probe.window
+    if probe.step_times:
+        result["step_times"] = fit_decode_steps(probe.steps, probe.step_device_ms())
     if args.json:
         print(json.dumps(result))
     else:
@@ -285,6 +291,8 @@ def print_table(r: dict) -> None:
           f"execute {r['execute_seconds']:.2f} s")
     if r.get("profile"):
         print(r["profile"])
+    if r.get("step_times"):
+        _print_step_times(r["step_times"])
     if r.get("profile_window"):
         w = r["profile_window"]
         print(f"  GPU over {w['steps']} steps: busy {w['gpu_busy_ms']:.1f} of {w['wall_ms']:.1f} ms wall "
@@ -297,6 +305,15 @@ def print_table(r: dict) -> None:
                   f"20 us, {w['long_gap_ms']:.1f} ms in longer ones; the short gaps by the kernel after them:")
             for name, ms in w["short_gap_ms_before"].items():
                 print(f"    {ms:9.2f} ms  {name}")
+
+
+def _print_step_times(t: dict) -> None:
+    print(f"  device time: {t['decode_steps']} decode steps {t['decode_ms']:.0f} ms, "
+          f"{t['other_steps']} others {t['other_ms']:.0f} ms")
+    if "fixed_ms" in t:
+        print(f"  a decode step = {t['fixed_ms']:.3f} ms + {t['per_seq_us']:.2f} us per sequence + "
+              f"{t['per_kv_token_ns']:.3f} ns per KV token (r2 {t['r2']:.3f}); the fixed part is "
+              f"{t['fixed_share_of_decode']:.0%} of the decode steps' time")
 
 
 def _device_name(device) -> str:

@@ -220,3 +220,32 @@ def test_idle_gaps_splits_launch_gaps_from_host_waits_and_names_the_late_kernel(
     assert gaps["short_gap_ms_before"] == {"norm": 3.5e-3}
     assert idle_gaps([], []) == {"short_gap_ms": 0.0, "short_gaps": 0, "long_gap_ms": 0.0,
                                  "short_gap_ms_before": {}}
+
+
+def test_fit_decode_steps_recovers_the_costs_and_leaves_prefill_steps_out():
+    from kvmesh.bench.engine_probe import fit_decode_steps
+
+    steps, ms = [([300, 200], [300, 200], 2)], [9.0]  # a prefill step: not in the fit
+    for batch in (4, 16, 64, 128, 200, 256):
+        for ctx in (100, 700, 1500):
+            steps.append(([1] * batch, [ctx] * batch, batch))
+            ms.append(1.25 + 0.002 * batch + 30e-6 * batch * ctx)  # ms: 1.25 fixed, 2 us/seq, 30 ns/token
+    ms[5] += 40.0  # a step the host held up
+    t = fit_decode_steps(steps, ms)
+    assert t["decode_steps"] == 18 and t["other_steps"] == 1 and t["other_ms"] == 9.0
+    assert t["fitted_steps"] == 17 and t["steps"][0] == [2, 500, 9.0] and len(t["steps"]) == 19
+    assert abs(t["fixed_ms"] - 1.25) < 1e-9 and abs(t["per_seq_us"] - 2.0) < 1e-6
+    assert abs(t["per_kv_token_ns"] - 30.0) < 1e-6 and t["r2"] > 0.999999
+    assert abs(t["fixed_share_of_decode"] - 18 * t["fixed_ms"] / t["decode_ms"]) < 1e-12
+    assert "fixed_ms" not in fit_decode_steps(steps[:3], ms[:3])  # too few decode steps to fit
+
+
+def test_offline_step_times_time_every_step(capsys):
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "4", "--max-input-len", "24",
+                          "--max-output-len", "16", "--min-len", "8", "--step-times", "--json"])
+    t = r["step_times"]
+    assert t["decode_steps"] + t["other_steps"] == r["steps"] and t["decode_steps"] >= 8
+    assert t["decode_ms"] > 0 and t["other_ms"] > 0 and "fixed_ms" in t
+    assert "step_times" not in run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "2",
+                                                 "--max-input-len", "8", "--max-output-len", "4",
+                                                 "--min-len", "4", "--json"])
