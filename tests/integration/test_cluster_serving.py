@@ -283,6 +283,9 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_worker(cluster, ope
     stream = openai_client.completions.create(model=MODEL, prompt="go on forever", max_tokens=1500,
                                               temperature=0, stream=True)
     next(iter(stream))
+    deadline = time.monotonic() + 10  # the gauge is the worker's load report: it may lag the first token
+    while sum(worker_gauge(cluster, "kvmesh_running_requests").values()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
     stream.close()
     deadline = time.monotonic() + 15  # ~1500 tokens would take far longer than this
