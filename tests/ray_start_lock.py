@@ -1,6 +1,6 @@
 """The locks that keep two pytest workers out of each other's way on a 2-core machine.
 
-Under pytest-xdist (two workers: `-n 2 --dist loadfile`, the README's test command):
+Under pytest-xdist (two workers: `-n 2 --dist loadfile`, as the README says how to run them):
 - `ray_start_lock`: a raylet starting beside another cluster's start-up missed Ray's 30 s
   registration deadline ("The current node timed out during startup"). tests/conftest.py holds it
   around what starts clusters.
