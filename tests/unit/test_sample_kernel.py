@@ -34,8 +34,7 @@ SCRIPT = textwrap.dedent("""
     out["expected"] = (torch.softmax(torch.tensor([1.0, 0.5, 0.0]) / t, 0) * rows).tolist()
     out["same_seed"] = sample_from_logits(logits[:32], torch.full((32,), 1 / t), 1234, chunk=1024).tolist() == a[:32]
     out["other_seed"] = sample_from_logits(logits[:32], torch.full((32,), 1 / t), 99, chunk=1024).tolist() != a[:32]
-    # chunks of 2,048 ids read 1,024 a turn: ids in different turns and chunks, each drawn with its
-    # own uniform
+    # chunks of 2,048 ids read 1,024 a turn: ids in different turns and chunks, each at its mass
     rows, ids = 240, (100, 700, 1500, 2500, 4999)
     logits = torch.full((rows, 5000), -1e4)
     for i, v in zip(ids, (1.0, 0.8, 0.6, 0.4, 0.2)):
@@ -47,6 +46,10 @@ SCRIPT = textwrap.dedent("""
         sample_from_logits(logits, torch.zeros(rows), 0, chunk=1500)
     except ValueError as e:
         out["bad_chunk"] = str(e)
+    # all the mass on one id, the last of its chunk, the rest -inf (no nan from -inf - -inf), and
+    # the same with the id alone in the last chunk
+    lone = torch.full((64, 3000), float("-inf")); lone[:32, 2047] = 3.0; lone[32:, 2999] = -5.0
+    out["lone"] = sample_from_logits(lone, torch.full((64,), 1 / t), 5, chunk=1024).tolist()
     # a greedy row and a sampled row in one launch
     mixed = torch.full((2, 2100), -1e4); mixed[:, 5], mixed[:, 6] = 1.0, 0.9
     out["mixed_greedy"] = sample_from_logits(mixed, torch.tensor([0.0, 1.0]), 7).tolist()[0]
@@ -73,7 +76,7 @@ def test_sampled_rows_follow_softmax_over_temperature(result):
     assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
 
 
-def test_every_turn_and_chunk_draws_its_own_uniforms(result):
+def test_ids_in_every_turn_and_chunk_are_drawn_at_their_mass(result):
     counts, expected = result["wide_counts"], result["wide_expected"]
     assert sum(counts) == 240
     chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
@@ -86,3 +89,7 @@ def test_a_chunk_that_is_not_a_multiple_of_1024_ids_is_refused(result):
 
 def test_the_seed_picks_the_stream(result):
     assert result["same_seed"] and result["other_seed"]
+
+
+def test_a_row_with_one_id_of_mass_always_picks_it(result):
+    assert result["lone"] == [2047] * 32 + [2999] * 32
