@@ -5,9 +5,17 @@ kvmesh.worker, kvmesh.kernels, kvmesh.router and kvmesh.cluster. An installed wh
 place under kvmesh/, but from the repository root the local kvmesh/ folder shadows the installed
 package (the current directory comes first on sys.path) and the mapped folders are siblings, not
 children. This finder resolves them to the siblings in that case only.
+
+worker/, kernels/ and cluster/ have no __init__.py on purpose: from the repository root (Ray's
+workers of a `kvmesh serve` started there, `python -m pytest`) a folder with one is importable as a
+top-level package and shadows an installed package of that name (transformers 5.25 imports Hugging
+Face's `kernels` at model load); a folder without one is at most a namespace portion, which any
+installed package of the name outranks. router/ keeps its __init__.py (its API); nothing installed
+here is named router (tests/unit/test_packaging.py checks both).
 """
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -24,11 +32,14 @@ class _SiblingFinder(importlib.abc.MetaPathFinder):
         if prefix != "kvmesh" or name not in MAPPED:
             return None
         folder = os.path.join(self.root, name)
-        init = os.path.join(folder, "__init__.py")
-        if not os.path.isfile(init):
+        if not os.path.isdir(folder):
             return None
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[folder])
+        init = os.path.join(folder, "__init__.py")
+        if os.path.isfile(init):
+            return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[folder])
+        spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)  # a namespace package
+        spec.submodule_search_locations = [folder]
+        return spec
 
 
 def install(package_dir: str) -> None:

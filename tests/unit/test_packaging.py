@@ -1,5 +1,6 @@
 """The package layout: every folder is listed in pyproject.toml and a built wheel imports."""
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -13,8 +14,13 @@ MAPPING = {"kvmesh": "kvmesh", "worker": "kvmesh.worker", "kernels": "kvmesh.ker
            "router": "kvmesh.router", "cluster": "kvmesh.cluster"}
 
 
+# mapped folders without an __init__.py, so that they never shadow an installed package of their
+# name (kvmesh/_layout.py)
+NAMESPACE_FOLDERS = ("worker", "kernels", "cluster")
+
+
 def package_folders() -> set[str]:
-    names = set()
+    names = set(MAPPING.values())  # the mapped folders are packages, with an __init__.py or without
     for top, prefix in MAPPING.items():
         for init in (REPO / top).rglob("__init__.py"):
             rel = init.parent.relative_to(REPO / top)
@@ -81,19 +87,32 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
         loader.default_gguf_path()
 
 
-def test_no_installed_distribution_imports_a_name_our_top_level_folders_shadow():
+def test_an_installed_package_named_like_a_folder_wins_over_the_checkout(tmp_path):
     """From the repository root (Ray's workers of a `kvmesh serve` started there, `python -m pytest`)
-    the folders worker/, kernels/, router/ and cluster/ are importable as top-level modules, so a
-    dependency importing an installed package of one of those names gets ours instead: transformers
-    5.25 requires and imports Hugging Face's `kernels` and failed to load any model so
-    ("cannot import name 'CUDAProperties' from 'kernels'"; pyproject.toml pins it below 5.25)."""
+    the current directory comes first on sys.path. A folder of the checkout with an __init__.py would
+    then shadow an installed package of its name: transformers 5.25 imports Hugging Face's `kernels`
+    at model load and got ours ("cannot import name 'CUDAProperties' from 'kernels'"). worker/,
+    kernels/ and cluster/ have none, so the installed package wins, and kvmesh's own still import."""
+    for name in NAMESPACE_FOLDERS:
+        assert not (REPO / name / "__init__.py").exists(), f"{name}/__init__.py would shadow an installed {name!r}"
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"WHO = 'the installed {name}'\n")
+    code = ("import kernels, worker, cluster; print(kernels.WHO, worker.WHO, cluster.WHO, sep=';'); "
+            "import kvmesh.kernels.rms_norm, kvmesh.worker.engine, kvmesh.cluster.ingress; print('ours import')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["the installed kernels;the installed worker;the installed cluster",
+                                         "ours import"]
+
+
+def test_no_installed_distribution_is_named_like_the_router_folder():
+    """router/ keeps its __init__.py (its API), so from the repository root it would shadow an
+    installed package named router: none may be installed."""
     from importlib import metadata
 
-    shadowed = {top for top in MAPPING if top != "kvmesh"}
-    clashes = sorted(f"{dist.metadata['Name']} installs {top!r}"
-                     for dist in metadata.distributions()
-                     for top in (dist.read_text("top_level.txt") or "").split()
-                     if top in shadowed)
+    clashes = sorted(f"{dist.metadata['Name']} installs 'router'" for dist in metadata.distributions()
+                     if "router" in (dist.read_text("top_level.txt") or "").split())
     clashes += sorted(f"{dist.metadata['Name']} {dist.version}" for dist in metadata.distributions()
-                      if (dist.metadata["Name"] or "").lower() in shadowed)
-    assert not clashes, f"installed packages named like a top-level folder of this checkout: {clashes}"
+                      if (dist.metadata["Name"] or "").lower() == "router")
+    assert not clashes, f"installed packages named like the checkout's router/ folder: {clashes}"
