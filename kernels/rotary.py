@@ -16,11 +16,25 @@ Matches kvmesh.worker.layers.rotary: float32 arithmetic with the float32 cos/sin
   attention backends then only read the cache (their forward with k = v = None).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kvmesh.kernels.store_kvcache import FP8_E4M3_MAX, cache_value
+
+# Heads per program: each head is the same one-warp row whatever the grouping (the same bits); a
+# program walks HEADS heads of one token. One head a program suits decode steps (up to a few hundred
+# tokens: 8 made the offline run's decode steps ~90 ms slower, 4 ~40), eight suit prompt chunks (16,384
+# tokens: 26 against 59 ms over the run's 252 prefill launches; nvidia-h200, docs/PERF.md). From
+# MANY_TOKENS up a launch takes eight; KVMESH_ROTARY_HEADS fixes the number (A/B runs).
+MANY_TOKENS = 2048
+FIXED_HEADS = int(os.environ.get("KVMESH_ROTARY_HEADS", "0"))
+
+
+def heads_per_program(num_tokens: int) -> int:
+    return FIXED_HEADS or (8 if num_tokens >= MANY_TOKENS else 1)
 
 
 @triton.jit
@@ -28,14 +42,28 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions,
                    k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads, num_k_heads,
                    eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                   FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                   FP8: tl.constexpr, FP8_MAX: tl.constexpr, HEADS: tl.constexpr):
+    """Program (token, group of HEADS heads, q heads first then k heads): each head as one row."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
     pos = tl.load(positions + token).to(tl.int64)
     cos = tl.load(cos_ptr + pos * HALF + offs, mask=mask, other=0.0)
     sin = tl.load(sin_ptr + pos * HALF + offs, mask=mask, other=0.0)
+    for h in tl.static_range(HEADS):
+        head = tl.program_id(1) * HEADS + h
+        if head < num_q_heads + num_k_heads:
+            _rotate_head(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, cos, sin, k_cache, v_cache,
+                         slot_mapping, k_inv_scale, v_inv_scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                         stride_vt, stride_vh, num_q_heads, num_k_heads, eps, token, head, offs, mask,
+                         HALF, BLOCK, NORM, STORE, FP8, FP8_MAX)
+
+
+@triton.jit
+def _rotate_head(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, cos, sin, k_cache, v_cache, slot_mapping,
+                 k_inv_scale, v_inv_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 num_q_heads, num_k_heads, eps, token, head, offs, mask, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                 NORM: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     is_q = head < num_q_heads
     kv_head = head - num_q_heads
     if is_q:
@@ -79,9 +107,10 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions,
         tl.store(dst + HALF + offs, y2, mask=mask)
 
 
-def _launch(positions, q, k, cos, sin, norm=None, store=None):
+def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None):
     """norm: (q_weight, k_weight, eps) or None; store: (v, k_cache, v_cache, slot_mapping, k_scale,
-    v_scale) or None. Returns (q_out, k_out), k_out None when K went into the cache."""
+    v_scale) or None; heads: heads per program (None: heads_per_program). Returns (q_out, k_out),
+    k_out None when K went into the cache."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     if q.stride(-1) != 1:
@@ -104,12 +133,14 @@ def _launch(positions, q, k, cos, sin, norm=None, store=None):
         v, k_cache, v_cache, slot_mapping, fp8, k_inv, v_inv = k, q, q, positions, False, 1.0, 1.0
     if num_tokens:
         half = head_dim // 2
-        _rotary_kernel[(num_tokens, num_q_heads + num_k_heads)](
+        heads = min(heads or heads_per_program(num_tokens), num_q_heads + num_k_heads)
+        _rotary_kernel[(num_tokens, triton.cdiv(num_q_heads + num_k_heads, heads))](
             q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
             k_cache, v_cache, slot_mapping, k_inv, v_inv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             num_q_heads, num_k_heads, eps, HALF=half, BLOCK=triton.next_power_of_2(half),
-            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, num_warps=1)
+            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, HEADS=heads,
+            num_warps=1)
     return q_out, k_out
 
 

@@ -2,6 +2,8 @@
 and SiLU-and-mul kernels against the torch code they replace
 (kvmesh.worker.layers on the CPU path), on fresh random bf16 inputs: equal within one bf16 rounding."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,12 +85,13 @@ def test_qk_norm_rotary_equals_the_three_kernels_bit_for_bit():
     from kvmesh.worker.presets import hf_config_for
 
     emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
-    for heads, kv_heads in ((16, 8), (32, 8)):
-        qkv = torch.randn(53, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda")
-        q = qkv[:, :heads * 128].view(53, heads, 128)
-        k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(53, kv_heads, 128)
+    # 53 tokens: one head a program; 2,100: eight (kvmesh.kernels.rotary.heads_per_program)
+    for (heads, kv_heads), n in itertools.product(((16, 8), (32, 8)), (53, 2100)):
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda")
+        q = qkv[:, :heads * 128].view(n, heads, 128)
+        k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(n, kv_heads, 128)
         wq, wk = (torch.randn(128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        positions = torch.randint(0, 4096, (53,), device="cuda")
+        positions = torch.randint(0, 4096, (n,), device="cuda")
         fq, fk = apply_qk_norm_rotary(positions, q, k, wq, wk, 1e-6, emb.cos, emb.sin)
         sq, sk = apply_rotary(positions, rms_norm(q, wq, 1e-6), rms_norm(k, wk, 1e-6), emb.cos, emb.sin)
         assert torch.equal(fq, sq) and torch.equal(fk, sk)

@@ -76,6 +76,20 @@ SCRIPT = textwrap.dedent("""
                 out[key] = (torch.equal(fq, sq) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                                                           for a, b in zip(fused, apart))
                             and bool(fused[0].float().abs().sum() > 0))
+        # heads grouped per program (kvmesh.kernels.rotary.heads_per_program: 8 for prompt chunks):
+        # 4 a program over 4 q + 2 k heads mixes q and k in one program and leaves two slots past
+        # the last head; the same bits as one head a program, K / V stored alike
+        from kvmesh.kernels.rotary import _launch
+        runs = []
+        for heads in (1, 4):
+            cache = [torch.zeros(4, 4, 2, 32, dtype=dtype) for _ in range(2)]
+            plain = _launch(positions, q, k, emb.cos, emb.sin, norm=(wq, wk, 1e-6), heads=heads)
+            stored = _launch(positions, q, k, emb.cos, emb.sin, norm=(wq, wk, 1e-6),
+                             store=(v, *cache, slots, 1.0, 1.0), heads=heads)[0]
+            runs.append((plain, stored, cache))
+        (p1, s1, c1), (p4, s4, c4) = runs
+        out[f"grouped_{name}_bits"] = (torch.equal(p1[0], p4[0]) and torch.equal(p1[1], p4[1])
+                                       and torch.equal(s1, s4) and all(torch.equal(a, b) for a, b in zip(c1, c4)))
     print(json.dumps(out))
 """)
 
@@ -85,7 +99,8 @@ def result():
     return run_interpreted(SCRIPT)
 
 
-@pytest.mark.parametrize("name", ["add_float32_bits", "add_bfloat16_bits", "qk_float32_bits", "qk_bfloat16_bits"])
+@pytest.mark.parametrize("name", ["add_float32_bits", "add_bfloat16_bits", "qk_float32_bits", "qk_bfloat16_bits",
+                                  "grouped_float32_bits", "grouped_bfloat16_bits"])
 def test_fused_kernel_equals_the_separate_kernels_bit_for_bit(result, name):
     assert result[name] is True
 
@@ -137,3 +152,12 @@ def test_the_xqa_switch_is_off_unless_set_to_1(value, on):
             "print(f.XQA_DECODE, f.xqa_supported(torch.device('cpu'), 64, 128, torch.bfloat16, torch.bfloat16))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == [str(on), "False"], out.stderr[-2000:]
+
+
+def test_prompt_chunks_take_eight_heads_a_program_decode_steps_one(monkeypatch):
+    from kvmesh.kernels import rotary
+
+    monkeypatch.setattr(rotary, "FIXED_HEADS", 0)
+    assert [rotary.heads_per_program(n) for n in (1, 256, 2047, 2048, 16384)] == [1, 1, 1, 8, 8]
+    monkeypatch.setattr(rotary, "FIXED_HEADS", 4)  # KVMESH_ROTARY_HEADS=4
+    assert rotary.heads_per_program(1) == rotary.heads_per_program(16384) == 4
