@@ -7,9 +7,9 @@ in the batch. Sampling uses the exponential race (argmax of p / Exp(1)), which e
 sampling and needs one random vector per row.
 
 On a GPU, a batch whose rows ask for nothing but a temperature (no top-k / top-p / min-p, penalties,
-biases, min_tokens, grammar, logprobs or per-request seed) is sampled by one Triton kernel that
-reads the logits once (kvmesh.kernels.sample: the Gumbel-max form of the same race; its Philox
-stream is seeded from this sampler's seed, one draw per step).
+biases, min_tokens, grammar, logprobs or per-request seed) is sampled by two Triton launches that
+read the logits once (kvmesh.kernels.sample: the same distribution by inverse CDF, one uniform per
+row; its Philox stream is seeded from this sampler's seed, one draw per step).
 """
 
 import os
