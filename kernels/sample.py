@@ -3,8 +3,9 @@
 The sampler's general path (worker/sampler.py) makes about a dozen float32 passes over the
 [rows, vocab] logits: the cast, temperature, softmax, normalisation, the noise, the race and its
 argmax. Measured on an H200 at 256 rows x 151,936 (docs/PERF.md "What limits it"): 0.89 ms a step
-at temperature 0.6 against 0.19 ms greedy. These kernels read each logit once, in its own dtype,
-and draw one uniform per row (inverse CDF over softmax(logit / T), exact up to float32 sums):
+at temperature 0.6 against 0.19 ms greedy. These kernels read each logit once, in its own dtype
+(a sampled row re-reads the one chunk it picks), and draw one uniform per row (inverse CDF over
+softmax(logit / T), exact up to float32 sums):
 
 1. per (row, chunk of ids): m = max_v logit_v / T and the chunk's mass sum_v exp(logit_v / T - m);
 2. per row: u ~ Uniform(0, 1) (Philox: tl.rand); the chunk where the running share of the row's

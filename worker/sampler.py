@@ -8,8 +8,9 @@ sampling and needs one random vector per row.
 
 On a GPU, a batch whose rows ask for nothing but a temperature (no top-k / top-p / min-p, penalties,
 biases, min_tokens, grammar, logprobs or per-request seed) is sampled by two Triton launches that
-read the logits once (kvmesh.kernels.sample: the same distribution by inverse CDF, one uniform per
-row; its Philox stream is seeded from this sampler's seed, one draw per step).
+read the logits once, plus one chunk per sampled row (kvmesh.kernels.sample: the same distribution
+by inverse CDF, one uniform per row; its Philox stream is seeded from this sampler's seed, one draw
+per step).
 """
 
 import os
