@@ -6,7 +6,10 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        (max_model_len 4096 / page 256), timed as CUDA-graph replays
      PYTHONPATH=. python3 bench/gpu_kernels.py --decode-mix $OUT/decode_mix.json   decode kernels on
        uniform and mixed contexts (nano-vllm's 100-2,048): flash-attn, flashinfer's BatchDecode and its
-       XQA (TensorRT-LLM's decode kernel) by page size, each against the float32 reference
+       XQA (TensorRT-LLM's decode kernel) by page size, and kvmesh's Triton decode kernel (its splits
+       by SM count, and in chunks of keys: KVMESH_DECODE_CHUNK's configurations), each against the
+       float32 reference; flashinfer's rows only where it is installed. --decode-mix-pick prints the
+       chunk configuration fastest over the mixed contexts at batches 128-256 (for a later run)
      PYTHONPATH=. python3 bench/gpu_kernels.py --sampler $OUT/sampler.json   the fused sampler
        (kernels/sample.py) on bf16 logits of Qwen3's 151,936 ids, sampled (T = 0.6) and greedy, by
        batch, as CUDA-graph replays against the copy rate over the logits' bytes
@@ -133,10 +136,20 @@ def fa_splits():
     save_rows(bw, rows)
 
 
-def decode_mix():
+CHUNK_CONFIGS = [(256, 64, 4, 2), (256, 32, 4, 3), (256, 64, 4, 3), (512, 64, 4, 2), (512, 32, 4, 3),
+                 (512, 64, 8, 3), (256, 32, 2, 3), (1024, 64, 4, 2)]  # chunk, block_n, num_warps, num_stages
+
+
+def decode_mix(pages=(256, 128, 64, 32, 16)):
     """Decode kernels under CUDA graphs at the engine's shape, on uniform and on mixed contexts."""
-    import flashinfer
+    try:
+        import flashinfer
+    except ImportError:
+        flashinfer = None
     from flash_attn import flash_attn_with_kvcache
+
+    from kvmesh.kernels.paged_decode import choose_num_splits, paged_decode
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
     h, hkv, d, max_len = 16, 8, 128, 4096
@@ -151,6 +164,17 @@ def decode_mix():
             out["flash_attn"] = lambda: flash_attn_with_kvcache(
                 q.unsqueeze(1), case.k_cache, case.v_cache, cache_seqlens=m.seq_lens, block_table=table,
                 softmax_scale=case.scale, causal=True).squeeze(1)
+        tri_out = torch.empty_like(q)
+        splits = choose_num_splits(q.shape[0], hkv, max_len, num_sms)
+        out["triton"] = lambda: paged_decode(q, case.k_cache, case.v_cache, tri_out, m.seq_lens, table,
+                                             case.scale, splits) or tri_out
+        for chunk, block_n, warps, stages in CHUNK_CONFIGS:
+            out[f"triton_c{chunk}_{block_n}_{warps}_{stages}"] = (
+                lambda c=chunk, b=block_n, w=warps, st=stages: paged_decode(
+                    q, case.k_cache, case.v_cache, tri_out, m.seq_lens, table, case.scale, max_len // c,
+                    chunk=c, block_n=b, num_warps=w, num_stages=st) or tri_out)
+        if flashinfer is None:
+            return out
         if page in (16, 32, 64, 128):
             seq_lens = m.seq_lens.clone()
             xqa_out = torch.empty_like(q)
@@ -177,7 +201,7 @@ def decode_mix():
         for batch in (16, 64, 128, 256):
             ctx = draw(batch)
             kv_bytes = sum(ctx) * hkv * d * 2 * 2
-            for page in (256, 128, 64, 32, 16):
+            for page in pages:
                 case = make_case(num_heads=h, num_kv_heads=hkv, head_dim=d, page=page, decode_ctx=ctx,
                                  prompt_lens=[], prefix_lens=[])
                 case.k_cache.view(-1, hkv, d)[case.metadata.slot_mapping] = case.k  # decode reads its own K/V
@@ -196,9 +220,24 @@ def decode_mix():
                     rows.append(dict(case=label, batch=batch, kernel=name, page=page, us=ms * 1e3,
                                      of_copy=kv_bytes / (ms * 1e-3) / bw, rel_err=err))
                     r = rows[-1]
-                    print(f"{label:13s} batch {batch:4d} {name:11s} page {page:4d} {r['us']:8.1f} us "
+                    print(f"{label:13s} batch {batch:4d} {name:22s} page {page:4d} {r['us']:8.1f} us "
                           f"{r['of_copy']:5.0%} of copy  err {err:.1e}", flush=True)
     save_rows(bw, rows)
+    return rows
+
+
+def decode_mix_pick():
+    """The chunk configuration fastest over the mixed contexts at batches 128 and 256, page 256:
+    printed last as KVMESH_DECODE_CHUNK's value."""
+    rows = decode_mix(pages=(256,))
+    mixed = [r for r in rows if r["case"] != "ctx 1000" and r["batch"] >= 128]
+    total = {}
+    for r in mixed:
+        total[r["kernel"]] = total.get(r["kernel"], 0.0) + r["us"]
+    for name, us in sorted(total.items(), key=lambda kv: kv[1]):
+        print(f"mixed 128+256: {name:22s} {us:8.1f} us", flush=True)
+    best = min((k for k in total if k.startswith("triton_c")), key=total.get)
+    print(best.removeprefix("triton_c").replace("_", ","))
 
 
 def sampler():
@@ -255,5 +294,5 @@ def gemm():
 
 
 if __name__ == "__main__":
-    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--sampler": sampler, "--gemm": gemm}
+    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick, "--sampler": sampler, "--gemm": gemm}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

@@ -99,6 +99,24 @@ def test_triton_decode_split_counts_agree():
         assert relative_error(out, ref) < BF16_BAND, splits
 
 
+@pytest.mark.parametrize("chunk,block_n,num_warps,num_stages,grid", [
+    (256, 64, 4, 2, 20), (512, 32, 4, 3, 10), (1024, 64, 8, 3, 5), (256, 32, 2, 3, 64)])
+@pytest.mark.parametrize("page", [16, 256])
+def test_triton_decode_in_chunks_of_keys(chunk, block_n, num_warps, num_stages, grid, page):
+    # contexts of one chunk (written directly), of several, and grids wider than the longest needs
+    from kvmesh.kernels.paged_decode import paged_decode
+    from kvmesh.kernels.store_kvcache import store_kvcache
+    case = make_case(num_heads=16, num_kv_heads=8, head_dim=128, page=page,
+                     decode_ctx=[1, 100, 256, 257, 3000, 5000], prompt_lens=[], prefix_lens=[])
+    ref = reference_attention(case)
+    md = case.metadata
+    store_kvcache(case.k, case.v, case.k_cache, case.v_cache, md.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    paged_decode(case.q, case.k_cache, case.v_cache, out, md.seq_lens, md.block_tables, case.scale, grid,
+                 chunk=chunk, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    assert relative_error(out, ref) < BF16_BAND
+
+
 def test_backend_class_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="attention_backend must be one of auto"):
         backend_class("not_a_backend")

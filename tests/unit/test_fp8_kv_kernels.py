@@ -63,6 +63,20 @@ SCRIPT = textwrap.dedent("""
         paged_decode(fp8.q[:n], k_cache, v_cache, o[:n], md.seq_lens[:n], md.block_tables[:n],
                      case.scale, splits, K_SCALE, V_SCALE)
         out[f"decode_{splits}"] = relative_error(o[:n], ref[:n])
+    # splits of a fixed number of keys (chunk): contexts 1, 9 and 70 take 1, 1 and 5 splits of 16 or
+    # 1, 1 and 3 of 32; a grid of 8 leaves programs past each context's splits with nothing to do
+    for chunk, splits in ((16, 5), (32, 8)):
+        o = torch.zeros_like(fp8.q)
+        paged_decode(fp8.q[:n], k_cache, v_cache, o[:n], md.seq_lens[:n], md.block_tables[:n],
+                     case.scale, splits, K_SCALE, V_SCALE, chunk=chunk, block_n=16)
+        out[f"decode_chunk{chunk}"] = relative_error(o[:n], ref[:n])
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()  # the torch forward stores the step's K / V in them
+    plain_ref = TorchAttentionBackend(H, HKV, D, PAGE, case.scale, torch.device("cpu"), torch.float32).forward(
+        case.q, case.k, case.v, kc, vc, case.metadata)
+    o = torch.zeros_like(case.q)
+    paged_decode(case.q[:n], kc, vc, o[:n], case.metadata.seq_lens[:n],
+                 case.metadata.block_tables[:n], case.scale, 5, chunk=16, block_n=16)
+    out["decode_chunk16_bf16_free"] = relative_error(o[:n], plain_ref[:n])
     o = torch.zeros_like(fp8.q)
     paged_prefill(fp8.q, k_cache, v_cache, o, md.query_start_loc[n:], md.seq_lens[n:], md.block_tables[n:],
                   md.max_query_len, case.scale, K_SCALE, V_SCALE)
@@ -82,8 +96,12 @@ def test_store_kernel_writes_the_bytes_the_torch_path_writes(result, case):
     assert result[case]  # K / k_scale and V / v_scale clamped to +-448, at their slots, slot -1 skipped
 
 
-@pytest.mark.parametrize("kernel", ["decode_1", "decode_3", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode_1", "decode_3", "decode_chunk16", "decode_chunk32", "prefill"])
 def test_attention_kernels_read_the_fp8_pool_as_the_torch_backend(result, kernel):
     # the same FP8 values and scales, float32 arithmetic on both sides
     assert result[kernel] < 1e-5
     assert result["torch_vs_solved"] < 1e-5
+
+
+def test_decode_in_chunks_of_keys_on_a_float32_pool(result):
+    assert result["decode_chunk16_bf16_free"] < 1e-5  # no FP8: the same splits and merge

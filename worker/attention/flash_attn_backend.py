@@ -1,9 +1,14 @@
-"""The `flash_attn` attention backend: flash-attn 2's paged kernels.
+"""The `flash_attn` attention backend: flash-attn 2's paged prefill, and on a GPU kvmesh's Triton
+paged decode.
 
 Prompt chunks go through `flash_attn_varlen_func` with `block_table` (the cached prefix is read from
-the pool; cu_seqlens_k counts whole contexts), decodes through `flash_attn_with_kvcache` with
-`cache_seqlens`. The step's K/V is stored first (by kvmesh's store_kvcache, or by the rotation's
-launch: forward's k = v = None), so both calls only read.
+the pool; cu_seqlens_k counts whole contexts). Decodes go through kvmesh.kernels.paged_decode in
+splits of 512 keys (its chunk mode), which reads the KV at ~94% of the copy rate at the engine's
+batches where `flash_attn_with_kvcache` reads at 82% (docs/PERF.md "Attention kernels");
+KVMESH_DECODE_CHUNK=0 decodes through `flash_attn_with_kvcache` with `cache_seqlens` instead (and
+on the CPU, where the interface test runs, it always does). The step's K/V is stored first (by
+kvmesh's store_kvcache, or by the rotation's launch: forward's k = v = None), so every call only
+reads.
 flash-attn's paged mode needs a block size that is a multiple of 256 (registry.BACKENDS, checked
 when the backend is built). No FP8 KV cache: flash-attn 2's kernels read K/V in the query's dtype
 and take no descale (registry.BACKENDS says so; asking for it is an error naming kv_cache_dtype).
@@ -15,8 +20,9 @@ import torch
 
 from .base import AttentionBackend, AttentionMetadata
 
-# flash_attn_with_kvcache's num_splits for decode steps: 0 leaves it to flash-attn's heuristic, which
-# under CUDA graphs sees only the block table's width (max_model_len), not the contexts. Measured alone
+# With KVMESH_DECODE_CHUNK=0: flash_attn_with_kvcache's num_splits for decode steps. 0 leaves it to
+# flash-attn's heuristic, which under CUDA graphs sees only the block table's width (max_model_len),
+# not the contexts. Measured alone
 # (bench/gpu_kernels.py --fa-splits, docs/PERF.md) 1 was as fast within 1% at batches of 32-256 (where
 # the heuristic picks 1 too) and faster at 8-16 (15-30 us against 27-46); end to end not yet measured,
 # so the default stays 0. KVMESH_FA_DECODE_SPLITS sets it (A/B runs).
@@ -32,6 +38,11 @@ class FlashAttnAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self._store = _store_function(self.device)
+        self._chunked = None  # decodes by kvmesh's Triton kernel in chunks of keys (KVMESH_DECODE_CHUNK)
+        if torch.device(self.device).type == "cuda":
+            from kvmesh.kernels.paged_decode import chunk_config_from_env, paged_decode
+            self._chunked = chunk_config_from_env()
+            self._paged_decode = paged_decode
 
     def plan(self, metadata: AttentionMetadata) -> None:
         num_decodes = metadata.num_decode_tokens
@@ -46,7 +57,15 @@ class FlashAttnAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):  # scales: FP8 only
         self.store(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         num_decodes = metadata.num_decode_tokens
-        if num_decodes:
+        if num_decodes and self._chunked:
+            chunk = self._chunked["chunk"]
+            decode_out = torch.empty_like(q[:num_decodes])
+            self._paged_decode(q[:num_decodes], k_cache, v_cache, decode_out, metadata.seq_lens[:num_decodes],
+                               metadata.block_tables[:num_decodes], self.scale,
+                               -(-metadata.max_seq_len // chunk), **self._chunked)
+            if num_decodes == q.shape[0]:
+                return decode_out
+        elif num_decodes:
             decode_out = self._with_kvcache(
                 q[:num_decodes].unsqueeze(1),  # [B, 1, H, D]
                 k_cache, v_cache,
