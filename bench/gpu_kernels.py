@@ -294,5 +294,6 @@ def gemm():
 
 
 if __name__ == "__main__":
-    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick, "--sampler": sampler, "--gemm": gemm}
+    modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick,
+             "--sampler": sampler, "--gemm": gemm}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

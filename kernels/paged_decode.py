@@ -155,6 +155,11 @@ def chunk_config_from_env() -> dict | None:
     return config
 
 
+def chunk_splits(max_seq_len: int, config: dict) -> int:
+    """The split grid of chunk mode: enough splits of config["chunk"] keys for the longest context."""
+    return triton.cdiv(max_seq_len, config["chunk"])
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough programs for ~2 waves over the SMs, but at least 256 keys per split."""
     if num_seqs * num_kv_heads >= num_sms:

@@ -40,8 +40,9 @@ class FlashAttnAttentionBackend(AttentionBackend):
         self._store = _store_function(self.device)
         self._chunked = None  # decodes by kvmesh's Triton kernel in chunks of keys (KVMESH_DECODE_CHUNK)
         if torch.device(self.device).type == "cuda":
-            from kvmesh.kernels.paged_decode import chunk_config_from_env, paged_decode
+            from kvmesh.kernels.paged_decode import chunk_config_from_env, chunk_splits, paged_decode
             self._chunked = chunk_config_from_env()
+            self._chunk_splits = chunk_splits
             self._paged_decode = paged_decode
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -57,21 +58,8 @@ class FlashAttnAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, metadata, k_scale=1.0, v_scale=1.0):  # scales: FP8 only
         self.store(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         num_decodes = metadata.num_decode_tokens
-        if num_decodes and self._chunked:
-            chunk = self._chunked["chunk"]
-            decode_out = torch.empty_like(q[:num_decodes])
-            self._paged_decode(q[:num_decodes], k_cache, v_cache, decode_out, metadata.seq_lens[:num_decodes],
-                               metadata.block_tables[:num_decodes], self.scale,
-                               -(-metadata.max_seq_len // chunk), **self._chunked)
-            if num_decodes == q.shape[0]:
-                return decode_out
-        elif num_decodes:
-            decode_out = self._with_kvcache(
-                q[:num_decodes].unsqueeze(1),  # [B, 1, H, D]
-                k_cache, v_cache,
-                cache_seqlens=metadata.seq_lens[:num_decodes],
-                block_table=metadata.block_tables[:num_decodes],
-                softmax_scale=self.scale, causal=True, num_splits=DECODE_SPLITS).squeeze(1)
+        if num_decodes:
+            decode_out = self._decode(q[:num_decodes], k_cache, v_cache, metadata)
             if num_decodes == q.shape[0]:  # a decode step: no copy into a joint output
                 return decode_out
         out = torch.empty_like(q)  # [T, H, D]
@@ -90,6 +78,20 @@ class FlashAttnAttentionBackend(AttentionBackend):
                 softmax_scale=self.scale, causal=True,
                 block_table=metadata.block_tables[num_decodes:])
         return out
+
+    def _decode(self, q, k_cache, v_cache, metadata) -> torch.Tensor:
+        """The decode rows' attention [B, H, D]: kvmesh's Triton kernel in chunks of keys, or
+        flash_attn_with_kvcache (KVMESH_DECODE_CHUNK=0, and on the CPU)."""
+        num_decodes = q.shape[0]
+        seq_lens, block_table = metadata.seq_lens[:num_decodes], metadata.block_tables[:num_decodes]
+        if self._chunked:
+            out = torch.empty_like(q)
+            self._paged_decode(q, k_cache, v_cache, out, seq_lens, block_table, self.scale,
+                               self._chunk_splits(metadata.max_seq_len, self._chunked), **self._chunked)
+            return out
+        return self._with_kvcache(q.unsqueeze(1), k_cache, v_cache,  # q as [B, 1, H, D]
+                                  cache_seqlens=seq_lens, block_table=block_table, softmax_scale=self.scale,
+                                  causal=True, num_splits=DECODE_SPLITS).squeeze(1)
 
 
 def _store_function(device: torch.device):

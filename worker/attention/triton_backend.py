@@ -17,10 +17,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def setup(self) -> None:
         # imported here so that CPU-only installs (no triton) can still import the backend registry
-        from kvmesh.kernels.paged_decode import choose_num_splits, chunk_config_from_env, paged_decode
+        from kvmesh.kernels.paged_decode import choose_num_splits, chunk_config_from_env, chunk_splits, paged_decode
         from kvmesh.kernels.paged_prefill import paged_prefill
         from kvmesh.kernels.store_kvcache import store_kvcache
         self._choose_num_splits = choose_num_splits
+        self._chunk_splits = chunk_splits
         self._decode = paged_decode
         self._prefill = paged_prefill
         self._store = store_kvcache
@@ -29,7 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _num_splits(self, num_decodes: int, max_seq_len: int) -> int:
         if self._chunked:
-            return -(-max_seq_len // self._chunked["chunk"])
+            return self._chunk_splits(max_seq_len, self._chunked)
         return self._choose_num_splits(num_decodes, self.num_kv_heads, max_seq_len, self.num_sms)
 
     def plan(self, metadata: AttentionMetadata) -> None:
