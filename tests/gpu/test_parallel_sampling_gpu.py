@@ -23,13 +23,13 @@ LOGPROB_ATOL = 0.1  # bf16 prefill of a 28-layer model, backend vs torch
 BACKENDS = list(REGISTRY)  # every registered backend (the torch one too: the reference)
 
 
-def make_llm(backend: str) -> LLM:
+def make_llm(backend: str, **overrides) -> LLM:
     library = backend_spec(backend).library
     if library is not None and importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed here")
     return LLM(model=MODEL, device="cuda", attention_backend=backend,
                block_size=block_size_for(backend), kv_cache_memory_bytes=2 << 30,
-               max_model_len=2048, max_num_seqs=16)
+               max_model_len=2048, max_num_seqs=16, **overrides)
 
 
 def release(llm: LLM) -> None:
@@ -58,7 +58,11 @@ def test_greedy_forks_equal_each_other_and_the_n1_output(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seeded_forks_differ_and_are_reproducible(backend):
-    llm = make_llm(backend)
+    # Without the prefix cache: a second run that finds the prompt's first blocks cached computes
+    # only the rest, with GEMMs of other shapes, so its bf16 logits differ in the last bits and a
+    # draw near the boundary between two tokens may pick the other one (docs/SERVING.md; measured
+    # on flash_attn, nvidia-h200 s23 call 1: 1 of 192 tokens with the cache, 0 without).
+    llm = make_llm(backend, enable_prefix_caching=False)
     params = SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
     first = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
     again = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
