@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from contextlib import aclosing
 from typing import Callable
 
 import ray
@@ -25,6 +26,7 @@ from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError
 
+from kvmesh.cluster import router_copies
 from kvmesh.cluster.engine_loop import EngineUnavailable
 from kvmesh.cluster.messages import RoutedRequest
 from kvmesh.cluster.metrics import TokenGaps
@@ -72,7 +74,21 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
                       on_retry: Callable[[], None] | None = None, own_call_id: bool = False):
     """Yield the request's TokenDeltas (the last one finished); see the module doc for failures.
     `on_retry` is called each time the request is sent again, however it ends. `own_call_id`: for
-    a call made beside others of the same client request (_worker_call)."""
+    a call made beside others of the same client request (_worker_call). The router copy that
+    routed it hears of its end before the last delta is passed on (router_copies.request_ended)."""
+    try:
+        async with aclosing(_attempts(handle, routed, on_retry, own_call_id, restartable)) as deltas:
+            async for delta in deltas:
+                if delta is not RESTART and delta.finished:
+                    # before the caller sees the end, so its next request is routed knowing it
+                    router_copies.request_ended(routed.request_id, computed=delta.finish_reason != "error")
+                yield delta
+    finally:  # cut short (the client went away): out of its worker's load all the same
+        router_copies.request_ended(routed.request_id, computed=False)
+
+
+async def _attempts(handle, routed: RoutedRequest, on_retry, own_call_id: bool, restartable: bool):
+    """run_request's deltas: the worker calls, retried as the module doc says."""
     last_error = None
     for attempt in range(MAX_ATTEMPTS):
         routed.attempt = attempt

@@ -8,14 +8,7 @@ import os
 
 from prometheus_client.core import GaugeMetricFamily
 
-# The router copies of this process. Serve pickles the request router's module by value, so that
-# module's own globals are a private copy in the replica; this module is imported by reference,
-# so the copies register here (request_router.initialize_state) and the collector finds them.
-ROUTER_COPIES: list = []
-
-
-def track_router(copy) -> None:
-    ROUTER_COPIES.append(copy)
+from kvmesh.cluster import router_copies
 
 
 def _rss_bytes() -> int:
@@ -33,7 +26,7 @@ class IngressProcessCollector:
         rss.add_metric([], _rss_bytes())
         blocks = GaugeMetricFamily("kvmesh_router_index_blocks", "Block hashes in this ingress's router copy of the KV index.")
         # len() of the index's dict is safe to read while the router thread updates it
-        blocks.add_metric([], sum(copy.state.router.index.num_blocks for copy in list(ROUTER_COPIES)
+        blocks.add_metric([], sum(copy.state.router.index.num_blocks for copy in list(router_copies.ROUTER_COPIES)
                                   if hasattr(copy, "state")))
         return [rss, blocks]
 

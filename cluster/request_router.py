@@ -17,7 +17,7 @@ import os
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvmesh.cluster import process_metrics
+from kvmesh.cluster import router_copies
 from kvmesh.cluster.event_hub import get_or_create_hub
 from kvmesh.cluster.messages import RoutedRequest
 from kvmesh.router.gc_tuning import tune_gc_for_routing
@@ -48,7 +48,7 @@ class KVAwareRequestRouter(RequestRouter):
         self.hub = get_or_create_hub(app_name)
         self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied
         self._consumer = asyncio.get_running_loop().create_task(self._consume_events())
-        process_metrics.track_router(self)  # by module attribute: this module is pickled by value
+        router_copies.track(self)  # by module attribute: this module is pickled by value
 
     async def _consume_events(self):
         while True:
@@ -86,7 +86,8 @@ class KVAwareRequestRouter(RequestRouter):
                 pass
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = self.state.rank(routed.block_hashes, routed.num_prompt_tokens,
-                                routed.session_key, list(by_id), avoid=routed.avoid_workers)
+                                routed.session_key, list(by_id), avoid=routed.avoid_workers,
+                                request_id=routed.request_id)
         if DEBUG:
             logger.warning("kvmesh route %s: %s synced=%s cursor=%s overlap=%s loads=%s",
                            routed.request_id, order, self._synced.is_set(), self.state.cursor,

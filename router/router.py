@@ -64,17 +64,34 @@ class Router:
                 self.policy.add_worker(load.worker_id)
             self.workers.update_load(load, now)
 
-    def count_routed(self, worker_id: str, block_hashes: Sequence[int], num_prompt_tokens: int) -> None:
+    def count_routed(self, worker_id: str, block_hashes: Sequence[int], num_prompt_tokens: int,
+                     request_id: str | None = None) -> None:
         """Add a request just routed to `worker_id` to its load, until the worker's next report: its
         prompt tokens past what the index shows cached there are queued prefill (at least one). For
         a router whose loads come in periodic reports (the cluster's copies): a burst routed
         between two reports is then spread by load instead of all landing on the worker that looked
-        idlest at the last one. An unknown worker is ignored."""
+        idlest at the last one. With `request_id`, `finish_routed` takes the count back when the
+        request ends first. An unknown worker is ignored."""
         with self._lock:
             if worker_id not in self.workers:
                 return
             cached = self.index.overlap(block_hashes, [worker_id]).get(worker_id, 0)
-            self.workers.add_routed(worker_id, max(1, num_prompt_tokens - cached * self.block_size))
+            self.workers.add_routed(worker_id, max(1, num_prompt_tokens - cached * self.block_size),
+                                    request_id)
+
+    def finish_routed(self, worker_id: str, block_hashes: Sequence[int], request_id: str,
+                      computed: bool = True) -> None:
+        """A request this router sent to `worker_id` has ended there (its last output reached the
+        caller), which may be before the worker's events and load say so: its count leaves the
+        worker's load if no report has replaced it yet, and if `computed` (it finished, so its
+        prompt was computed) the policy learns that the worker holds the prompt's blocks
+        (kv_events: its record of the prefix in flight becomes one of blocks computed, credited as
+        cached until the index shows them). `block_hashes`: the ones the request was routed with
+        (the same array)."""
+        with self._lock:
+            self.workers.remove_routed(worker_id, request_id)
+            if computed:
+                self.policy.on_finished(block_hashes, worker_id)
 
     def set_healthy(self, worker_id: str, healthy: bool) -> None:
         with self._lock:

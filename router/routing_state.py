@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
@@ -29,6 +30,9 @@ from kvmesh.router.router import Router
 # whose actor still reports while its engine is frozen says so itself (WorkerLoad.stalled) and is
 # ranked the same way.
 STALE_LOAD_S = float(os.environ.get("KVMESH_STALE_LOAD_S", "3.0"))
+# Requests this copy routed whose end it has not heard yet (`finished`), newest last; beyond this
+# many the oldest are forgotten (a request that never reports its end costs one entry, for a while).
+MAX_ROUTED_REQUESTS = 4096
 
 
 class RoutingState:
@@ -55,6 +59,8 @@ class RoutingState:
         self._live: set[str] = set()  # workers Serve says are running
         self.instance: str | None = None
         self.cursor = 0
+        # request id -> (the worker it was sent to, its block hashes as routed), until it ends
+        self._routed: OrderedDict[str, tuple[str, Sequence[int]]] = OrderedDict()
 
     # ---- the hub's stream --------------------------------------------------------------------
 
@@ -109,13 +115,15 @@ class RoutingState:
     # ---- routing -----------------------------------------------------------------------------
 
     def rank(self, block_hashes: Sequence[int], num_prompt_tokens: int, session_key: str | None,
-             candidates: list[str], avoid: list[str] | tuple = ()) -> list[str]:
+             candidates: list[str], avoid: list[str] | tuple = (), request_id: str | None = None) -> list[str]:
         """Candidates in the policy's order of preference (every candidate appears once); stale
         or stalled workers after the others, and last the ones in `avoid` (whose engine died under
         this very request: the router's view of them may not show it yet). Those, and workers
         that are not candidates, are out of the policy's choice, so what the choice leaves behind
         (the request's count in the first worker's load until its next report, Router.count_routed;
-        kv_events' record of the prefix in flight) lands on the worker that is really first."""
+        kv_events' record of the prefix in flight) lands on the worker that is really first.
+        `request_id`: the caller will report the request's end (`finished`); a request routed
+        again under the same id (a retry) is remembered on its new worker."""
         stale = self.stale_workers()
         avoid = set(avoid)
         candidate_set = set(candidates)
@@ -135,8 +143,34 @@ class RoutingState:
                 if last:
                     order = [w for w in order if w not in last] + [w for w in order if w in last]
             if order:
-                self.router.count_routed(order[0], block_hashes, num_prompt_tokens)
+                self.router.count_routed(order[0], block_hashes, num_prompt_tokens, request_id)
+                if request_id is not None:
+                    self._remember(request_id, order[0], block_hashes)
         return order
+
+    def finished(self, request_id: str, computed: bool = True) -> bool:
+        """The request routed under `request_id` has ended (its last output reached the ingress)
+        where this copy last sent it: its count leaves that worker's load if no report has replaced
+        it yet, and, if `computed` (it finished, not failed or cut short), kv_events credits the
+        worker with the prompt's blocks as cached until the index shows them
+        (Router.finish_routed). Before this the copy may not yet have heard the worker's events: a
+        conversation's next turn, sent as the answer arrives, would see its prefix nowhere and its
+        worker still busy with the turn before. False if this copy did not route it (or has
+        forgotten it)."""
+        with self._lock:
+            routed = self._routed.pop(request_id, None)
+            if routed is None:
+                return False
+            worker_id, block_hashes = routed
+            self.router.finish_routed(worker_id, block_hashes, request_id, computed)
+        return True
+
+    def _remember(self, request_id: str, worker_id: str, block_hashes: Sequence[int]) -> None:
+        routed = self._routed
+        routed[request_id] = (worker_id, block_hashes)
+        routed.move_to_end(request_id)
+        if len(routed) > MAX_ROUTED_REQUESTS:
+            routed.popitem(last=False)
 
     def stale_workers(self, now: float | None = None) -> set[str]:
         """Workers whose load reports have not changed for `stale_load_s` (never-heard ones are

@@ -29,6 +29,9 @@ class WorkerState:
     # When (on the clock of whoever passes `now` to WorkerSet.update_load) a report with a new
     # timestamp last arrived: a worker whose reports stop changing is stalled or dying.
     reported_at: float | None = None
+    # Requests counted in `load` since its last report (WorkerSet.add_routed with a request id):
+    # request id -> its queued prefill tokens; None when there are none.
+    routed: dict[str, int] | None = None
 
     def __post_init__(self):
         if self.load is None:
@@ -204,17 +207,40 @@ class WorkerSet(Sequence[WorkerState]):
         if now is not None and (state.reported_at is None or load.timestamp != state.load.timestamp):
             state.reported_at = now
         state.load = load
+        state.routed = None
         self._write(i)
 
-    def add_routed(self, worker_id: str, prefill_tokens: int) -> None:
+    def add_routed(self, worker_id: str, prefill_tokens: int, request_id: str | None = None) -> None:
         """Count a request just routed to the worker in its load (one more waiting request,
         `prefill_tokens` more queued) until its next report, which then includes it. The report's
-        timestamp is kept: this is not news from the worker."""
+        timestamp is kept: this is not news from the worker. With `request_id`, `remove_routed`
+        can take the count back before that report (the request ended)."""
         i = self._pos[worker_id]
-        load = self._states[i].load
-        self._states[i].load = replace(load, waiting=load.waiting + 1,
-                                       waiting_prefill_tokens=load.waiting_prefill_tokens + prefill_tokens)
+        state = self._states[i]
+        load = state.load
+        state.load = replace(load, waiting=load.waiting + 1,
+                             waiting_prefill_tokens=load.waiting_prefill_tokens + prefill_tokens)
+        if request_id is not None:
+            if state.routed is None:
+                state.routed = {}
+            state.routed[request_id] = prefill_tokens
         self._write(i)
+
+    def remove_routed(self, worker_id: str, request_id: str) -> bool:
+        """Take back `add_routed`'s count of a request that has ended, if the worker's load still
+        holds it (no report since). True if it did; an unknown worker or request is ignored."""
+        i = self._pos.get(worker_id)
+        if i is None:
+            return False
+        state = self._states[i]
+        if state.routed is None or request_id not in state.routed:
+            return False
+        tokens = state.routed.pop(request_id)
+        load = state.load
+        state.load = replace(load, waiting=max(load.waiting - 1, 0),
+                             waiting_prefill_tokens=max(load.waiting_prefill_tokens - tokens, 0))
+        self._write(i)
+        return True
 
     def set_cap(self, worker_id: str, cap: int | None) -> None:
         i = self._pos[worker_id]

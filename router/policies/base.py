@@ -43,6 +43,10 @@ class Policy:
     def remove_worker(self, worker_id: str) -> None:
         """A worker left."""
 
+    def on_finished(self, block_hashes: Sequence[int], worker_id: str) -> None:
+        """A request this policy routed (with these block hashes, the same array) has ended on
+        `worker_id` (Router.finish_routed); before the worker's events may say so."""
+
     def state_bytes(self) -> int:
         """Approximate bytes of what the policy routes from (an index of blocks, a prefix tree);
         0 for a policy that keeps no such state (`kvmesh sim`'s index_bytes)."""

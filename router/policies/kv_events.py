@@ -3,7 +3,9 @@ workers' own KV events report + weighted load (kvmesh.router.cost), with hystere
 prefix is at least `weights.stay_min_cached` of the prompt (a continuation), the cheapest worker
 holding it keeps the request unless another one is cheaper by more than `weights.stay_margin`.
 A worker computing a prefix this policy has just sent it (kvmesh.router.pending: in flight, not yet
-in the index) is credited with a copy saved (`weights.in_flight` per token). New work behind a short
+in the index) is credited with a copy saved (`weights.in_flight` per token); once that request has
+ended there (Router.finish_routed) the blocks are held, and credited as cached (`weights.prefill`
+per token) until the index shows them. New work behind a short
 shared prefix (under `weights.stay_min_cached` of the prompt held or in flight anywhere) is charged
 the delay of its missing tokens, not a second copy (weights_for). Ties are broken at
 random; with a temperature > 0 the first choice is sampled from softmax(-cost / (temperature *
@@ -63,6 +65,10 @@ class KVEventsPolicy(Policy):
         if self.pending is not None:
             self.pending.forget_worker(worker_id)
 
+    def on_finished(self, block_hashes: Sequence[int], worker_id: str) -> None:
+        if self.pending is not None:
+            self.pending.mark_computed(block_hashes, worker_id)
+
     def state_bytes(self) -> int:
         return self.index.approx_bytes()
 
@@ -85,13 +91,14 @@ class KVEventsPolicy(Policy):
                 held[row] = min(blocks * self.block_size, limit)
         return held, overlaps
 
-    def _in_flight(self, request: RouteRequest, cols, overlaps: dict[str, int]) -> tuple[int, float] | None:
-        """(row, prompt tokens) the worker of that row is computing for an earlier request, past
-        what the index shows it holds; None when no record continues the longest indexed prefix."""
+    def _in_flight(self, request: RouteRequest, cols, overlaps: dict[str, int]) -> tuple[int, float, bool] | None:
+        """(row, prompt tokens, computed) the worker of that row is computing for an earlier request
+        (or has computed: that request ended there), past what the index shows it holds; None when
+        no record continues the longest indexed prefix."""
         if self.pending is None:
             return None
         longest = max(overlaps.values(), default=0)
-        wid, extra = self.pending.continuation(request.block_hashes, longest)
+        wid, extra, computed = self.pending.continuation(request.block_hashes, longest)
         if wid is None or overlaps.get(wid, 0) != longest:
             return None
         row = cols.row(wid)
@@ -99,7 +106,7 @@ class KVEventsPolicy(Policy):
             return None
         limit = max(request.num_prompt_tokens - 1, 0)
         tokens = min((longest + extra) * self.block_size, limit) - min(longest * self.block_size, limit)
-        return (row, tokens) if tokens > 0 else None
+        return (row, tokens, computed) if tokens > 0 else None
 
     def rank(self, request: RouteRequest, workers: Sequence[WorkerState]) -> list[str]:
         return self.top(request, workers, None)
@@ -154,11 +161,11 @@ class KVEventsPolicy(Policy):
         limit = max(num_prompt_tokens - 1, 0)  # at least one prompt token is always computed
         levels = self.index.levels(request.block_hashes)
         num_levels = len(levels)
-        in_flight = self._in_flight_of(request, levels, order, limit)  # (bit, key, tokens) or None
+        in_flight = self._in_flight_of(request, levels, order, limit)  # (bit, key, tokens, computed)
         longest = min(levels[-1][0] * block_size, limit) if levels else 0
         in_flight_bit = 0
         if in_flight is not None:
-            in_flight_bit, in_flight_key, in_flight_tokens = in_flight
+            in_flight_bit, in_flight_key, in_flight_tokens, in_flight_computed = in_flight
             weights = self.weights_for(num_prompt_tokens, longest + in_flight_tokens)
         else:
             weights = self.weights_for(num_prompt_tokens, longest)
@@ -183,7 +190,7 @@ class KVEventsPolicy(Policy):
                 costed.append((cost, level, group.mask, None))
         if in_flight is not None:
             cost = worker_cost(num_prompt_tokens, tokens[-1] if levels else 0, in_flight_key, weights)
-            cost -= weights.in_flight * in_flight_tokens
+            cost -= in_flight_credit(weights, in_flight_computed) * in_flight_tokens
             costed.append((cost, max(num_levels - 1, 0), in_flight_bit, None))
         for group in found[-1]:
             costed.append((worker_cost(num_prompt_tokens, 0, group.key, weights), None, group.mask, group))
@@ -250,13 +257,14 @@ class KVEventsPolicy(Policy):
         return self._new_work
 
     def _in_flight_of(self, request: RouteRequest, levels: list[tuple[int, int]], order: LoadOrder,
-                      limit: int) -> tuple[int, object, int] | None:
+                      limit: int) -> tuple[int, object, int, bool] | None:
         """_in_flight from the levels: (the worker's bit, its load key, the prompt tokens it is
-        computing), when it is eligible and holds the longest indexed prefix (or nobody holds any)."""
+        computing, whether it has computed them), when it is eligible and holds the longest indexed
+        prefix (or nobody holds any)."""
         if self.pending is None:
             return None
         longest = levels[-1][0] if levels else 0
-        wid, extra = self.pending.continuation(request.block_hashes, longest)
+        wid, extra, computed = self.pending.continuation(request.block_hashes, longest)
         if wid is None:
             return None
         key = order.key_of(wid)
@@ -266,7 +274,7 @@ class KVEventsPolicy(Policy):
         if levels and not levels[-1][1] & bit:
             return None
         tokens = min((longest + extra) * self.block_size, limit) - min(longest * self.block_size, limit)
-        return (bit, key, tokens) if tokens > 0 else None
+        return (bit, key, tokens, computed) if tokens > 0 else None
 
     def _level_that_stays(self, costed: list[tuple[float, int | None, int, object]], tokens: list[int],
                           best_level: int | None, best_cost: float,
@@ -306,7 +314,7 @@ class KVEventsPolicy(Policy):
         weights = self.weights_for(request.num_prompt_tokens, longest)
         cost = worker_costs(request.num_prompt_tokens, cached, cols, weights)
         if in_flight is not None:
-            cost[in_flight[0]] -= weights.in_flight * in_flight[1]
+            cost[in_flight[0]] -= in_flight_credit(weights, in_flight[2]) * in_flight[1]
         return cost
 
     def _rank(self, request: RouteRequest, workers: Sequence[WorkerState],
@@ -362,3 +370,8 @@ class KVEventsPolicy(Policy):
         cost[pick] = -np.inf  # first; the rest keep their cost order
         return cost
 
+
+def in_flight_credit(weights: CostWeights, computed: bool) -> float:
+    """Per prompt token, the credit of the worker a record of prefixes in flight names: a copy saved
+    while it computes them, the prefill itself once the request has ended there (as cached)."""
+    return weights.prefill if computed else weights.in_flight

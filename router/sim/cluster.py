@@ -146,7 +146,8 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
             request = payload
             if copies is not None:
                 chosen, elapsed = copies.route(request.prompt_hashes(config.block_size),
-                                               request.prompt_len, request.session_key, now)
+                                               request.prompt_len, request.session_key, now,
+                                               request_id=request.request_id)
                 decision_ns.append(elapsed)
             else:
                 route_request = RouteRequest(request.prompt_hashes(config.block_size),
@@ -174,6 +175,8 @@ def simulate(workload: Workload, policy: str, config: SimConfig, progress: bool 
             publish(w, now)
             for job in finished:
                 bar.update(1)
+                if copies is not None:
+                    copies.finished(job.request.request_id, now)
                 for child in followups.pop(job.request.request_id, ()):
                     child.arrival = now + child.think_time_s
                     heapq.heappush(heap, (child.arrival, _ARRIVAL, order, child))

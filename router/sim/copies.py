@@ -53,6 +53,7 @@ class RouterCopies:
                                    clock=self._clock, stale_load_s=None, policy_options=policy_options)
                        for number in range(config.router_copies)]
         self.routed = 0
+        self._copy_of: dict[str, RoutingState] = {}  # request id -> the copy that routed it, until it ends
         self._queue: list = []  # (time, kind, order, payload)
         self._order = 0
         for w in workers:  # the worker's announcement: an empty cache, then its load
@@ -99,20 +100,32 @@ class RouterCopies:
         self._push(now + self.config.event_delay_s, _DELIVER, (batch, loads))
 
     def route(self, block_hashes: list[int], num_prompt_tokens: int, session_key: str | None,
-              now: float) -> tuple[str, int]:
-        """(the worker the request goes to, the decision's wall time in ns)."""
+              now: float, request_id: str | None = None) -> tuple[str, int]:
+        """(the worker the request goes to, the decision's wall time in ns). With `request_id`, call
+        `finished` when the request ends."""
         self.now = now
         copy = self.copies[self.routed % len(self.copies)]
         self.routed += 1
         t0 = time.perf_counter_ns()
-        order = copy.rank(block_hashes, num_prompt_tokens, session_key, self.worker_ids)
+        order = copy.rank(block_hashes, num_prompt_tokens, session_key, self.worker_ids,
+                          request_id=request_id)
         elapsed = time.perf_counter_ns() - t0
+        if request_id is not None:
+            self._copy_of[request_id] = copy
         cap = self.config.cap
         if cap is not None:  # Serve: a replica at max_ongoing_requests rejects, the next rank is tried
             for worker_id in order:
                 if self.workers[worker_id].outstanding < cap:
                     return worker_id, elapsed
         return order[0], elapsed
+
+    def finished(self, request_id: str, now: float) -> None:
+        """The request has ended on its worker: the copy that routed it hears so at once (in the
+        cluster the ingress holding that copy receives the last token; RoutingState.finished)."""
+        copy = self._copy_of.pop(request_id, None)
+        if copy is not None:
+            self.now = now
+            copy.finished(request_id)
 
     # ---- internals ---------------------------------------------------------------------------
 

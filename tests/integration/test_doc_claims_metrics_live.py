@@ -56,13 +56,15 @@ ray.init(address=sys.argv[1], namespace="serve", logging_level="ERROR")
 
 def state(replica):
     import gc, os
-    from kvmesh.cluster import process_metrics
-    copies = [c for c in process_metrics.ROUTER_COPIES if hasattr(c, "state")]
+    from kvmesh.cluster import router_copies
+    copies = [c for c in router_copies.ROUTER_COPIES if hasattr(c, "state")]
     policy = copies[0].state.router.policy if copies else None
     return {"pid": os.getpid(), "gc_threshold": list(gc.get_threshold()),
-            "gc_frozen": gc.get_freeze_count(), "router_copies": len(process_metrics.ROUTER_COPIES),
+            "gc_frozen": gc.get_freeze_count(), "router_copies": len(router_copies.ROUTER_COPIES),
             "stay_margin": policy.weights.stay_margin if policy else None,
-            "pending_requests": policy.pending.max_requests if policy else None}
+            "pending_requests": policy.pending.max_requests if policy else None,
+            "unended": sum(len(c.state._routed) for c in copies),
+            "computed": sum(1 for c in copies for _, _, done in c.state.router.policy.pending._records.values() if done)}
 
 for a in ray.util.list_named_actors(all_namespaces=True):
     if "#Ingress#" in a["name"]:
@@ -133,6 +135,18 @@ def test_the_ingress_process_holding_the_router_copy_runs_with_the_routing_gc_se
     states = ingress_state(cluster)
     assert len(states) == 1 and states[0]["router_copies"] >= 1, states
     assert tuple(states[0]["gc_threshold"]) == ROUTING_GC_THRESHOLDS == (100_000, 50, 100), states
+
+
+def test_the_router_copy_hears_each_request_end_from_the_ingress(cluster):
+    """ROUTING.md "Router copies": the ingress tells the copy that routed a request of its end, in
+    the same process (cluster/router_copies.py): once the answers are back, the copy waits on no
+    request it routed, and the prefixes of the finished ones are marked computed."""
+    for seed in (41, 42):
+        complete(cluster, prompt(seed, 3), max_tokens=2)
+    complete(cluster, prompt(43, 3), max_tokens=2, stream=True)
+    states = ingress_state(cluster)
+    assert len(states) == 1 and states[0]["unended"] == 0, states
+    assert states[0]["computed"] >= 3, states
 
 
 def test_the_router_copy_s_policy_takes_routing_policy_options(cluster):

@@ -137,8 +137,8 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
     asked = []
 
     class Ranking:  # the RoutingState's rank(): the policy's order of the workers
-        def rank(self, block_hashes, num_prompt_tokens, session_key, workers, avoid):
-            asked.append((block_hashes, num_prompt_tokens, session_key, sorted(workers), avoid))
+        def rank(self, block_hashes, num_prompt_tokens, session_key, workers, avoid, request_id):
+            asked.append((block_hashes, num_prompt_tokens, session_key, sorted(workers), avoid, request_id))
             return ["w2", "w1", "w3"]
 
     router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
@@ -149,7 +149,7 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
                             session_key="alice", avoid_workers=["w9"])
     ranked = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request])))
     assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["w2"], ["w1"], ["w3"]]
-    assert asked == [([11, 22], 40, "alice", ["w1", "w2", "w3"], ["w9"])]
+    assert asked == [([11, 22], 40, "alice", ["w1", "w2", "w3"], ["w9"], "req-1")]
     assert asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[]))) == [replicas]
 
 

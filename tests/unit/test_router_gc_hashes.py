@@ -37,4 +37,4 @@ def test_index_runs_and_pending_records_hold_hash_arrays():
     assert runs and all(isinstance(run.hashes, array) and run.hashes.typecode == "Q" for run in runs)
     records = list(router.policy.pending._records.values())
     assert len(records) == 2
-    assert all(isinstance(hashes, array) and hashes.typecode == "Q" for _, hashes in records)
+    assert all(isinstance(hashes, array) and hashes.typecode == "Q" for _, hashes, _ in records)

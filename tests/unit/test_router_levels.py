@@ -16,7 +16,7 @@ from kvmesh.router import load_order as load_order_module
 from kvmesh.router.cost import load_cost, worker_cost, worker_costs
 from kvmesh.router.index import bit_positions
 from kvmesh.router.load_order import LoadKey, LoadOrder
-from kvmesh.router.policies.kv_events import TIE_SLACK
+from kvmesh.router.policies.kv_events import TIE_SLACK, in_flight_credit
 
 B = 16
 WEIGHTS = CostWeights()
@@ -161,7 +161,7 @@ class ListingChoice:
         weights = p.weights_for(request.num_prompt_tokens, longest)
         cost = worker_costs(request.num_prompt_tokens, cached, cols, weights, np.array(rows)).tolist()
         if in_flight is not None and in_flight[0] in scored:
-            cost[list(scored).index(in_flight[0])] -= weights.in_flight * in_flight[1]
+            cost[list(scored).index(in_flight[0])] -= in_flight_credit(weights, in_flight[2]) * in_flight[1]
         best_cost = min(cost)
         tied = [row for row, c in zip(rows, cost[:len(scored)]) if c == best_cost]
         tied_buckets = [(b, n) for (b, n), c in zip(buckets, cost[len(scored):]) if c == best_cost]

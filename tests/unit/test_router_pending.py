@@ -20,17 +20,17 @@ def test_continuation_is_the_shared_length_from_the_recorded_start():
     pending = PendingPrefixes()
     pending.record(H, 0, "w0")
     for shared in (1, 2, 5, 9, 10):
-        assert pending.continuation(sibling(shared), 0) == ("w0", shared)
-    assert pending.continuation(H[:3], 0) == ("w0", 3)  # a shorter prompt, all of it in flight
-    assert pending.continuation(sibling(0), 0) == (None, 0)
+        assert pending.continuation(sibling(shared), 0) == ("w0", shared, False)
+    assert pending.continuation(H[:3], 0) == ("w0", 3, False)  # a shorter prompt, all of it in flight
+    assert pending.continuation(sibling(0), 0) == (None, 0, False)
 
 
 def test_a_record_starts_where_the_index_stops():
     pending = PendingPrefixes()
     pending.record(H, 4, "w1")  # w1 holds blocks 0-3 per the index; 4-9 are in flight
-    assert pending.continuation(sibling(7), 4) == ("w1", 3)
-    assert pending.continuation(H, 0) == (None, 0)  # no record starts at block 0
-    assert pending.continuation(H, 10) == (None, 0)  # nothing past the end
+    assert pending.continuation(sibling(7), 4) == ("w1", 3, False)
+    assert pending.continuation(H, 0) == (None, 0, False)  # no record starts at block 0
+    assert pending.continuation(H, 10) == (None, 0, False)  # nothing past the end
     pending.record(H, 10, "w2")  # nothing to compute: nothing recorded
     assert len(pending) == 1
 
@@ -39,7 +39,7 @@ def test_the_latest_request_from_the_same_start_wins():
     pending = PendingPrefixes()
     pending.record(H, 0, "w0")
     pending.record(sibling(6), 0, "w1")
-    assert pending.continuation(H, 0) == ("w1", 6)
+    assert pending.continuation(H, 0) == ("w1", 6, False)
 
 
 def test_bounded_to_the_most_recent_requests():
@@ -48,8 +48,8 @@ def test_bounded_to_the_most_recent_requests():
     for k, chain in enumerate(chains):
         pending.record(chain, 0, f"w{k}")
     assert len(pending) == 2
-    assert pending.continuation(chains[0], 0) == (None, 0)
-    assert pending.continuation(chains[2], 0) == ("w2", 2)
+    assert pending.continuation(chains[0], 0) == (None, 0, False)
+    assert pending.continuation(chains[2], 0) == ("w2", 2, False)
 
 
 def test_forget_worker_drops_only_its_records():
@@ -58,7 +58,7 @@ def test_forget_worker_drops_only_its_records():
     other = block_hashes([5] * 2 * B, B)
     pending.record(other, 0, "w1")
     pending.forget_worker("w0")
-    assert len(pending) == 1 and pending.continuation(other, 0) == ("w1", 2)
+    assert len(pending) == 1 and pending.continuation(other, 0) == ("w1", 2, False)
 
 
 def test_rejects_an_empty_bound():

@@ -121,6 +121,6 @@ def test_what_a_route_leaves_behind_lands_on_the_worker_really_first(why):
     loads = state.loads()
     assert (loads["other"].waiting, loads["holder"].waiting) == (1, 0)
     assert loads["other"].waiting_prefill_tokens == len(PROMPT)  # nothing of it cached there
-    worker, blocks = state.router.policy.pending.continuation(hash_array(HASHES), 0)
-    assert worker == "other" and blocks == len(HASHES)
+    worker, blocks, computed = state.router.policy.pending.continuation(hash_array(HASHES), 0)
+    assert worker == "other" and blocks == len(HASHES) and not computed
     assert state.router.workers.get("holder").healthy  # only out of that one choice

@@ -77,9 +77,9 @@ def test_a_custom_routing_state_class_routes_the_trace():
     calls = []
 
     class Counting(RoutingState):
-        def rank(self, *args):
+        def rank(self, *args, **kwargs):
             calls.append(self)
-            return super().rank(*args)
+            return super().rank(*args, **kwargs)
 
     config = dataclasses.replace(CONFIG, router_copies=2)
     workload = make_workload("tenants", 40, seed=3, block_size=B, **SMALL)
