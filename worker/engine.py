@@ -55,7 +55,8 @@ class Engine:
                                       self.device, self.dtype, config.attention_backend, config.seed,
                                       self.max_model_len, enforce_eager=config.enforce_eager,
                                       max_num_seqs=config.max_num_seqs, torch_compile=config.torch_compile,
-                                      kv_cache_dtype=config.kv_cache_dtype, tp=self.tp)
+                                      kv_cache_dtype=config.kv_cache_dtype, tp=self.tp,
+                                      max_num_batched_tokens=config.max_num_batched_tokens)
         except BaseException:
             self._abandon_tensor_parallel()
             raise

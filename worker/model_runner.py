@@ -30,13 +30,17 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str, seed: int,
                  max_model_len: int, enforce_eager: bool = False, max_num_seqs: int = 256,
-                 torch_compile: bool = False, tp: TensorParallel = SINGLE, kv_cache_dtype: str = "auto"):
+                 torch_compile: bool = False, tp: TensorParallel = SINGLE, kv_cache_dtype: str = "auto",
+                 max_num_batched_tokens: int | None = None):
+        """`max_num_batched_tokens`: the largest step the scheduler makes; on CUDA the runner runs
+        prompt steps of the sizes that compile kernels of their own up to it (warm_up_prompt_steps)."""
         self.model = model
         self.config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.tp = tp
         self.channel = StepChannel(device) if tp.size > 1 else None
@@ -60,6 +64,8 @@ class ModelRunner:
         self._prompt_logprobs: list[PromptLogprobsChunk] = []  # the last step's, until taken
         if torch_compile:  # before the graphs are captured: their warm-up runs compile it
             compile_layers(self.model)
+        if device.type == "cuda" and max_num_batched_tokens:
+            self.warm_up_prompt_steps(max_num_batched_tokens)
         # --- CUDA graphs for decode (worker/cuda_graphs.py) ---
         self.graph_runner = None
         if uses_cuda_graphs(self.backend.name, device.type, enforce_eager):
@@ -67,6 +73,43 @@ class ModelRunner:
                                                  self.max_blocks_per_seq, max_model_len, device,
                                                  kv_scales=self.kv_scales)
             self.graph_runner.capture()
+
+    @torch.inference_mode()
+    def warm_up_prompt_steps(self, max_tokens: int) -> list[tuple[int, int]]:
+        """Run the prompt steps whose Triton kernels compile forms of their own that the decode
+        graphs' capture does not, up to `max_tokens` tokens a step: a server's first long prompts
+        then wait for no compilation (about a second on a machine with no Triton cache: nvidia-h200,
+        2026-12-03 s22 call 1). Steps of MANY_TOKENS tokens or more run the rotation's many-heads
+        form; Triton specializes integer arguments on divisibility by 16 (the token count, the block
+        table's width) and pointers on 16-byte alignment (a step's prompt rows follow its decode
+        rows, so the prompt's lengths and table start past the decodes'): prompts of MANY_TOKENS and
+        MANY_TOKENS + 1 tokens, alone and after one decode row. The steps store no KV (slot -1) and
+        read block 0's; under tensor parallelism every rank runs them, collectives included, as it
+        builds its runner. Returns the (decode rows, prompt tokens) of the steps run."""
+        from kvmesh.kernels.rotary import MANY_TOKENS
+
+        steps = [(d, n) for d in (0, 1) for n in (MANY_TOKENS, MANY_TOKENS + 1)
+                 if d + n <= max_tokens and n <= self.max_model_len]
+        for decodes, n in steps:
+            dev = self.device
+            query_lens, seq_lens = [1] * decodes + [n], [1] * decodes + [n]
+            total = decodes + n
+            metadata = AttentionMetadata(
+                query_start_loc=torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(decodes + 1, -(-n // self.block_size), dtype=torch.int32, device=dev),
+                slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, max_query_len=n, max_seq_len=n,
+                num_decode_tokens=decodes)
+            positions = torch.cat([torch.zeros(decodes, dtype=torch.long, device=dev),
+                                   torch.arange(n, dtype=torch.long, device=dev)])
+            self.backend.plan(metadata)
+            with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.kv_scales)):
+                hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), positions)
+            self.model.compute_logits(hidden[-1:])
+        if steps and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return steps
 
     def prepare_host(self, output: SchedulerOutput) -> HostStep:
         # Vectorised with numpy: with hundreds of running sequences a per-token Python loop cost

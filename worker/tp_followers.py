@@ -70,7 +70,8 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_threads:
         runner = ModelRunner(loaded.model, loaded.config, blocks, config.block_size, device, dtype,
                              config.attention_backend, config.seed, max_model_len,
                              enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs, tp=tp,
-                             kv_cache_dtype=config.kv_cache_dtype)
+                             kv_cache_dtype=config.kv_cache_dtype,
+                             max_num_batched_tokens=config.max_num_batched_tokens)
         runner.follow()
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)

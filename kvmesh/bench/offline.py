@@ -128,13 +128,9 @@ def run(args) -> int:
     ceilings = measure_ceilings(device)
     vocab = engine.model_config.vocab_size
     workload.prompts = workload.prompts_for_vocab(vocab)
-    # warm-up: compile kernels, touch the allocator (not timed). One prompt of MANY_TOKENS makes a
-    # prompt step that large, so the rotation's form for such steps compiles here too (on a machine
-    # with no Triton cache yet it cost the timed run ~0.8 s: nvidia-h200, 2026-12-03 s22 call 1).
-    from kvmesh.kernels.rotary import MANY_TOKENS
+    # warm-up: the sampler's kernels, the allocator (not timed); the engine ran its large prompt
+    # steps when it started (ModelRunner.warm_up_prompt_steps)
     warm = [[i % vocab for i in range(args.min_len)]] * 2
-    if device.type == "cuda" and MANY_TOKENS + 8 <= engine.max_model_len:
-        warm.append([(7 * i) % vocab for i in range(MANY_TOKENS)])
     llm.generate(prompt_token_ids=warm,
                  sampling_params=SamplingParams(max_tokens=4, temperature=0.6, ignore_eos=True), use_tqdm=False)
     probe = StepProbe(engine, args.profile_step, args.profile_trace, window,
