@@ -16,15 +16,20 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Not specialized on the block table's width nor on the first sequence (a step's prompts follow its
+# decodes: the tables are passed whole, with their offset, so no pointer's alignment varies either):
+# one compiled form serves every step, and an engine's start-up compiles it (ModelRunner.
+# warm_up_prompt_steps), not a serving run's first long prompt (~0.3 s a form on nvidia-h200).
+@triton.jit(do_not_specialize=["stride_block_table", "first_seq"])
 def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq_lens, block_tables,
                           scale_log2, v_scale,
                           stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                           stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
+                          first_seq,
                           GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_KV: tl.constexpr):
     m_block = tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -79,11 +84,13 @@ def _paged_prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  max_query_len: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                  max_query_len: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                  first_seq: int = 0) -> None:
     """q, out: [T, H, D] (the rows named by query_start_loc); caches [num_blocks, page, Hkv, D] in
     q's dtype or float8_e4m3fn (dequantized by k_scale / v_scale);
-    query_start_loc: [S + 1] int32 (absolute rows of q); seq_lens: [S]; block_tables: [S, max_blocks]."""
-    num_seqs = seq_lens.shape[0]
+    query_start_loc: [S + 1] int32 (absolute rows of q); seq_lens: [S]; block_tables: [S, max_blocks].
+    Sequences `first_seq` to S - 1 are computed (a step's prompts after its decodes)."""
+    num_seqs = seq_lens.shape[0] - first_seq
     if num_seqs == 0 or max_query_len == 0:
         return
     _, num_heads, head_dim = q.shape
@@ -98,6 +105,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         scale * (k_scale if fp8 else 1.0) * LOG2E, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), first_seq,
         GROUP=num_heads // num_kv_heads, PAGE=page, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, FP8_KV=fp8, num_warps=4, num_stages=2)

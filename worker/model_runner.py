@@ -77,18 +77,19 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_prompt_steps(self, max_tokens: int) -> list[tuple[int, int]]:
         """Run the prompt steps whose Triton kernels compile forms of their own that the decode
-        graphs' capture does not, up to `max_tokens` tokens a step: a server's first long prompts
-        then wait for no compilation (about a second on a machine with no Triton cache: nvidia-h200,
-        2026-12-03 s22 call 1). Steps of MANY_TOKENS tokens or more run the rotation's many-heads
-        form; Triton specializes integer arguments on divisibility by 16 (the token count, the block
-        table's width) and pointers on 16-byte alignment (a step's prompt rows follow its decode
-        rows, so the prompt's lengths and table start past the decodes'): prompts of MANY_TOKENS and
-        MANY_TOKENS + 1 tokens, alone and after one decode row. The steps store no KV (slot -1) and
-        read block 0's; under tensor parallelism every rank runs them, collectives included, as it
-        builds its runner. Returns the (decode rows, prompt tokens) of the steps run."""
+        graphs' capture does not, up to `max_tokens` tokens a step (and prompts up to the model's
+        limit): a server's first prompts then wait for no compilation (about a second on a machine
+        with no Triton cache: nvidia-h200, 2026-12-03 s22 call 1). Steps of MANY_TOKENS tokens or
+        more run the rotation's many-heads form, Triton specializes integer arguments on
+        divisibility by 16 (the step's token count), and the paged prefill kernel (triton backend)
+        has a form for prompts of up to 32 tokens: prompts of MANY_TOKENS and MANY_TOKENS + 1 tokens,
+        one after a decode row (a mixed step), and a prompt of 17 tokens after a decode row. The
+        steps store no KV (slot -1) and read block 0's; under tensor parallelism every rank runs
+        them, collectives included, as it builds its runner. Returns the (decode rows, prompt
+        tokens) of the steps run."""
         from kvmesh.kernels.rotary import MANY_TOKENS
 
-        steps = [(d, n) for d in (0, 1) for n in (MANY_TOKENS, MANY_TOKENS + 1)
+        steps = [(d, n) for d, n in ((0, MANY_TOKENS), (0, MANY_TOKENS + 1), (1, MANY_TOKENS), (1, 17))
                  if d + n <= max_tokens and n <= self.max_model_len]
         for decodes, n in steps:
             dev = self.device

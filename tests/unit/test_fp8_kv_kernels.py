@@ -78,8 +78,8 @@ SCRIPT = textwrap.dedent("""
                  case.metadata.block_tables[:n], case.scale, 5, chunk=16, block_n=16)
     out["decode_chunk16_bf16_free"] = relative_error(o[:n], plain_ref[:n])
     o = torch.zeros_like(fp8.q)
-    paged_prefill(fp8.q, k_cache, v_cache, o, md.query_start_loc[n:], md.seq_lens[n:], md.block_tables[n:],
-                  md.max_query_len, case.scale, K_SCALE, V_SCALE)
+    paged_prefill(fp8.q, k_cache, v_cache, o, md.query_start_loc, md.seq_lens, md.block_tables,
+                  md.max_query_len, case.scale, K_SCALE, V_SCALE, first_seq=n)
     out["prefill"] = relative_error(o[n:], ref[n:])
     print(json.dumps(out))
 """)

@@ -52,7 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
                          metadata.seq_lens[:num_decodes], metadata.block_tables[:num_decodes],
                          self.scale, num_splits, k_scale, v_scale, **self._chunked)
         if num_decodes < num_tokens:
-            self._prefill(q, k_cache, v_cache, out, metadata.query_start_loc[num_decodes:],
-                          metadata.seq_lens[num_decodes:], metadata.block_tables[num_decodes:],
-                          metadata.max_query_len, self.scale, k_scale, v_scale)
+            self._prefill(q, k_cache, v_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                          metadata.block_tables, metadata.max_query_len, self.scale, k_scale, v_scale,
+                          first_seq=num_decodes)
         return out

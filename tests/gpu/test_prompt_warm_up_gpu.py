@@ -1,7 +1,8 @@
-"""An engine on CUDA runs its large prompt steps when it starts (ModelRunner.warm_up_prompt_steps):
-the first long prompts a server gets compile no Triton kernel of the forward pass, whatever their
-length (Triton specializes integer arguments on divisibility by 16; the rotation has a form of its
-own for steps of MANY_TOKENS tokens or more)."""
+"""An engine on CUDA runs prompt steps when it starts (ModelRunner.warm_up_prompt_steps): the first
+prompts a server gets, long or short, alone or beside decodes, compile no Triton kernel of the
+forward pass (Triton specializes integer arguments on divisibility by 16; the rotation has a form of
+its own for steps of MANY_TOKENS tokens or more; the triton backend's prefill one for prompts of up
+to 32 tokens)."""
 
 import gc
 import importlib
@@ -35,7 +36,7 @@ def compiled_forms() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "triton"])
-def test_the_first_long_prompts_compile_no_kernel_of_the_forward(backend):
+def test_the_first_prompts_compile_no_kernel_of_the_forward(backend):
     library = backend_spec(backend).library
     if library is not None and importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed here")
@@ -50,9 +51,13 @@ def test_the_first_long_prompts_compile_no_kernel_of_the_forward(backend):
     prompts = [[(13 * i + j) % 5000 for j in range(n)] for i, n in enumerate((2048, 2100, 3001, 4000))]
     llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=2, temperature=0),
                  use_tqdm=False)
+    for lengths in ((5, 77, 300), (31,)):  # the second: a step of one prompt of at most 32 tokens
+        short = [[(11 * i + j) % 5000 for j in range(n)] for i, n in enumerate(lengths)]
+        llm.generate(prompt_token_ids=short, sampling_params=SamplingParams(max_tokens=3, temperature=0),
+                     use_tqdm=False)
     after = compiled_forms()
     grown = {name: (n, after[name]) for name, n in before.items() if after[name] != n}
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    assert not grown, f"compiled during the first long prompts: {grown}"
+    assert not grown, f"compiled during the first prompts: {grown}"
