@@ -47,7 +47,8 @@ class KVAwareRequestRouter(RequestRouter):
                                   policy_options=policy_options)
         self.hub = get_or_create_hub(app_name)
         self._synced = asyncio.Event()  # set once the first poll (a full snapshot) is applied
-        self._consumer = asyncio.get_running_loop().create_task(self._consume_events())
+        self.loop = asyncio.get_running_loop()  # the ingress posts request ends here (router_copies)
+        self._consumer = self.loop.create_task(self._consume_events())
         router_copies.track(self)  # by module attribute: this module is pickled by value
 
     async def _consume_events(self):
