@@ -76,15 +76,18 @@ async def run_request(handle, routed: RoutedRequest, restartable: bool = False,
     `on_retry` is called each time the request is sent again, however it ends. `own_call_id`: for
     a call made beside others of the same client request (_worker_call). The router copy that
     routed it hears of its end before the last delta is passed on (router_copies.request_ended)."""
+    ended = False
     try:
         async with aclosing(_attempts(handle, routed, on_retry, own_call_id, restartable)) as deltas:
             async for delta in deltas:
                 if delta is not RESTART and delta.finished:
                     # before the caller sees the end, so its next request is routed knowing it
                     router_copies.request_ended(routed.request_id, computed=delta.finish_reason != "error")
+                    ended = True
                 yield delta
-    finally:  # cut short (the client went away): out of its worker's load all the same
-        router_copies.request_ended(routed.request_id, computed=False)
+    finally:
+        if not ended:  # cut short (the client went away): out of its worker's load all the same
+            router_copies.request_ended(routed.request_id, computed=False)
 
 
 async def _attempts(handle, routed: RoutedRequest, on_retry, own_call_id: bool, restartable: bool):

@@ -53,7 +53,6 @@ class RouterCopies:
                                    clock=self._clock, stale_load_s=None, policy_options=policy_options)
                        for number in range(config.router_copies)]
         self.routed = 0
-        self._copy_of: dict[str, RoutingState] = {}  # request id -> the copy that routed it, until it ends
         self._queue: list = []  # (time, kind, order, payload)
         self._order = 0
         for w in workers:  # the worker's announcement: an empty cache, then its load
@@ -110,8 +109,6 @@ class RouterCopies:
         order = copy.rank(block_hashes, num_prompt_tokens, session_key, self.worker_ids,
                           request_id=request_id)
         elapsed = time.perf_counter_ns() - t0
-        if request_id is not None:
-            self._copy_of[request_id] = copy
         cap = self.config.cap
         if cap is not None:  # Serve: a replica at max_ongoing_requests rejects, the next rank is tried
             for worker_id in order:
@@ -122,10 +119,10 @@ class RouterCopies:
     def finished(self, request_id: str, now: float) -> None:
         """The request has ended on its worker: the copy that routed it hears so at once (in the
         cluster the ingress holding that copy receives the last token; RoutingState.finished)."""
-        copy = self._copy_of.pop(request_id, None)
-        if copy is not None:
-            self.now = now
-            copy.finished(request_id)
+        self.now = now
+        for copy in self.copies:  # the one that remembers it (RoutingState keeps what it routed)
+            if copy.finished(request_id):
+                return
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ replica whenever the copy had not yet polled the first worker's events (docs/ROU
 
 import asyncio
 
+import pytest
+
 from kvmesh.cluster import router_copies
 from kvmesh.cluster.generation import run_request
 from kvmesh.cluster.messages import RoutedRequest
@@ -93,49 +95,49 @@ def test_only_the_record_of_that_request_is_marked_computed():
 
 
 class Copy:
-    """What router_copies holds: the ingress's request router, with its RoutingState."""
+    """What router_copies holds: the ingress's request router, with its RoutingState (no event loop
+    of its own: router_copies calls it at once)."""
 
     def __init__(self, state):
         self.state = state
 
 
-def test_the_ingress_reports_the_end_before_passing_the_last_output_on():
-    state = idle_pair()
-    copy = Copy(state)
+@pytest.fixture
+def registered():
+    """An idle pair's RoutingState, registered as this process's router copy for the test."""
+    copy = Copy(idle_pair())
     router_copies.ROUTER_COPIES.append(copy)
-    try:
-        request = RoutedRequest("r1", FIRST, SamplingParams(max_tokens=2), block_hashes=block_hashes(FIRST, B))
-        worker = route(state, FIRST, "r1")
-        seen = []
-
-        async def main():
-            handle = Handle([TokenDelta("r1", [5], "x"), TokenDelta("r1", [6], "y", finish_reason="length")])
-            async for delta in run_request(handle, request):
-                seen.append((delta.finished, state.loads()[worker].waiting))
-        asyncio.run(main())
-        assert seen == [(False, 1), (True, 0)]
-        assert route(state, SECOND) == worker
-    finally:
-        router_copies.ROUTER_COPIES.remove(copy)
+    yield copy.state
+    router_copies.ROUTER_COPIES.remove(copy)
 
 
-def test_a_stream_cut_short_takes_the_request_out_of_the_load():
-    state = idle_pair()
-    copy = Copy(state)
-    router_copies.ROUTER_COPIES.append(copy)
-    try:
-        request = RoutedRequest("r1", FIRST, SamplingParams(max_tokens=8), block_hashes=block_hashes(FIRST, B))
-        worker = route(state, FIRST, "r1")
+def test_the_ingress_reports_the_end_before_passing_the_last_output_on(registered):
+    state = registered
+    request = RoutedRequest("r1", FIRST, SamplingParams(max_tokens=2), block_hashes=block_hashes(FIRST, B))
+    worker = route(state, FIRST, "r1")
+    seen = []
 
-        async def main():
-            handle = Handle([TokenDelta("r1", [5], "x"), asyncio.Event()])
-            deltas = run_request(handle, request)
-            await deltas.__anext__()
-            await deltas.aclose()  # the client went away
-            return handle.responses[0].cancelled
-        assert asyncio.run(main()), "the worker call is cancelled"
-        assert state.loads()[worker].waiting == 0
-        _, _, computed = state.router.policy.pending.continuation(hash_array(block_hashes(SECOND, B)), 0)
-        assert not computed
-    finally:
-        router_copies.ROUTER_COPIES.remove(copy)
+    async def main():
+        handle = Handle([TokenDelta("r1", [5], "x"), TokenDelta("r1", [6], "y", finish_reason="length")])
+        async for delta in run_request(handle, request):
+            seen.append((delta.finished, state.loads()[worker].waiting))
+    asyncio.run(main())
+    assert seen == [(False, 1), (True, 0)]
+    assert route(state, SECOND) == worker
+
+
+def test_a_stream_cut_short_takes_the_request_out_of_the_load(registered):
+    state = registered
+    request = RoutedRequest("r1", FIRST, SamplingParams(max_tokens=8), block_hashes=block_hashes(FIRST, B))
+    worker = route(state, FIRST, "r1")
+
+    async def main():
+        handle = Handle([TokenDelta("r1", [5], "x"), asyncio.Event()])
+        deltas = run_request(handle, request)
+        await deltas.__anext__()
+        await deltas.aclose()  # the client went away
+        return handle.responses[0].cancelled
+    assert asyncio.run(main()), "the worker call is cancelled"
+    assert state.loads()[worker].waiting == 0
+    _, _, computed = state.router.policy.pending.continuation(hash_array(block_hashes(SECOND, B)), 0)
+    assert not computed
