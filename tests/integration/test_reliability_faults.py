@@ -25,6 +25,7 @@ import threading
 import time
 
 import grpc
+import psutil
 import pytest
 
 from kvmesh.bench.traffic import Traffic, summarize
@@ -81,10 +82,10 @@ def counter_total(values: dict[str, float], name: str) -> float:
     return sum(v for k, v in values.items() if k.startswith(name + "{"))
 
 
-def run_with_fault(cluster, fault, duration_s=15.0, concurrency=8, after=5, **kw):
-    """Send requests continuously for duration_s (8 at a time); `fault()` runs once `after` of
-    them have finished, so requests are in flight when it strikes and the load goes on for
-    seconds after it. Returns (outcomes, when the fault was injected)."""
+def run_with_fault(cluster, fault, duration_s=15.0, concurrency=8, after=5, mix=MIX, **kw):
+    """Send requests continuously for duration_s (8 at a time, of the kinds in `mix`); `fault()`
+    runs once `after` of them have finished, so requests are in flight when it strikes and the load
+    goes on for seconds after it. Returns (outcomes, when the fault was injected)."""
     wait_until(lambda: healthy_workers(cluster) == 2, 90, interval_s=0.5, what="two healthy workers")
     started = threading.Event()
     count = {"n": 0}
@@ -98,7 +99,7 @@ def run_with_fault(cluster, fault, duration_s=15.0, concurrency=8, after=5, **kw
 
     holder = {}
     t = threading.Thread(target=lambda: holder.setdefault(
-        "out", traffic(cluster, **kw).run_for(duration_s, concurrency, MIX, on_done=on_done)))
+        "out", traffic(cluster, **kw).run_for(duration_s, concurrency, mix, on_done=on_done)))
     t.start()
     assert started.wait(60), "the load never got going"
     injected = time.monotonic()
@@ -330,20 +331,32 @@ def test_metrics_and_worker_status_answer_while_the_kv_event_hub_does_not(cluste
 
 def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_it_at_once(cluster):
     """SIGKILL of the engine child only: its actor lives on until Serve replaces it, so the
-    worker itself must report the death, refuse work retryably, and have its requests re-run."""
-    actor = ray_processes(cluster, "KVWorker")[0]
-    engine = engine_process_of(actor.pid)
+    worker itself must report the death, refuse work retryably, and have its requests re-run.
+    The victim is a worker that holds requests when the fault strikes (the router may send most of
+    the load to one worker); 12 requests of 32 tokens at a time, most of them non-streaming (a
+    stream that has shown tokens ends with an error instead of being re-run), so that the victim's
+    engine holds some it can re-run then."""
+    pids = worker_pids(cluster)  # replica id -> actor process id
     before = metrics(cluster.http_url)
     seen = {}
 
+    def busy_worker():
+        running = per_worker(metrics(cluster.http_url), "kvmesh_running_requests")
+        return next((rid for rid, n in running.items() if n > 0 and rid in pids), None)
+
     def kill_and_watch_health():
+        rid = wait_until(busy_worker, 30, interval_s=0.05, what="a worker holding requests")
+        seen["actor"] = actor = psutil.Process(pids[rid])
+        engine = engine_process_of(actor.pid)
         engine.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: healthy_workers(cluster) == 1, 10, interval_s=0.05,
                    what="/health to count one healthy worker")
         seen["unhealthy_after_s"] = time.monotonic() - killed
 
-    out, _ = run_with_fault(cluster, kill_and_watch_health)
+    out, _ = run_with_fault(cluster, kill_and_watch_health, concurrency=12, max_tokens=32,
+                            mix={"whole": 0.7, "stream": 0.2, "abort": 0.1})
+    actor = seen["actor"]
     s = assert_nothing_lost(out)
     # the ingress re-ran what the dead engine held and what was sent to it afterwards: no client
     # saw an error status, and only streams that had shown tokens could end with an error
@@ -373,8 +386,8 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
 # ---- kill a worker replica -------------------------------------------------------------------------
 
 def test_killing_a_worker_replica_loses_nothing_and_serve_replaces_it(cluster):
-    victims = ray_processes(cluster, "KVWorker")
-    assert len(victims) == 2
+    victims = wait_until(lambda: (lambda p: p if len(p) == 2 else None)(ray_processes(cluster, "KVWorker")),
+                         90, interval_s=0.5, what="two worker replica processes")
     out, killed_at = run_with_fault(cluster, lambda: victims[0].send_signal(signal.SIGKILL))
     assert_nothing_lost(out)
     # within seconds the router sends nothing to the dead replica: later requests need one attempt
