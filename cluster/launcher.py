@@ -201,6 +201,30 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
     return endpoints
 
 
+def wait_for_workers(cfg: ServeConfig, timeout_s: float = 60.0):
+    """After the deploy: until the worker replicas the deployment starts with (num_replicas, or
+    autoscaling's min_replicas) have reported their load to the KV event hub as healthy, a second or
+    so after Serve calls them healthy, or timeout_s. So the ready line is printed when /health
+    answers ok and counts them all. Returns the last cluster_health."""
+    import ray
+
+    from kvmesh.cluster.event_hub import NAMESPACE, hub_name
+    from kvmesh.cluster.status import cluster_health
+
+    want = cfg.autoscaling.min_replicas if cfg.autoscaling.enabled else cfg.replicas.num_replicas
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            hub = ray.get_actor(hub_name(cfg.app_name), namespace=NAMESPACE)
+            loads = ray.get(hub.loads.remote(), timeout=10)[0]
+        except Exception:  # noqa: BLE001 (the hub not created or not answering yet: ask again)
+            loads = None
+        health = cluster_health(loads, cfg.scales_to_zero)
+        if (health.serving and health.workers >= want) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.2)
+
+
 def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
     import ray
     from ray import serve
@@ -281,6 +305,13 @@ def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
     try:
         started = time.monotonic()
         endpoints = deploy(cfg)
+        health = wait_for_workers(cfg)
+        if not health.serving:
+            print(f"kvmesh serve: no worker has reported to the KV event hub yet ({health.status}); "
+                  "/health answers 503 until one does", file=out)
+        elif health.workers < cfg.replicas.num_replicas and not cfg.autoscaling.enabled:
+            print(f"kvmesh serve: {health.workers} of {cfg.replicas.num_replicas} worker replicas have "
+                  "reported to the KV event hub so far", file=out)
         print(f"kvmesh serving {cfg.model} on {cfg.replicas.num_replicas} worker replica(s), "
               f"routing {cfg.routing.policy} (ready in {time.monotonic() - started:.1f} s)", file=out)
         print(f"  OpenAI HTTP: {endpoints['http']}", file=out)

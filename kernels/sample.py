@@ -65,7 +65,10 @@ def _sample_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, top_ptr, top_id
         tl.store(top_id_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, best_id, 2147483647), axis=0))
 
 
-@triton.jit
+# Not specialized on the seed (a new one each step): Triton would compile a second form the first
+# time a seed divisible by 16 came, inside a run (~0.26 s on a fresh nvidia-h200, 2026-12-04 s24
+# call 3: the longest wait of the device in the offline run's first tenth).
+@triton.jit(do_not_specialize=["seed"])
 def _sample_pick_kernel(logits_ptr, stride_row, inv_temp_ptr, top_ptr, top_id_ptr, mass_ptr, out_ptr, seed,
                         vocab, num_chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
     """Program per row. Greedy: the best chunk's id (the lowest of a tie). Sampled: one uniform u per

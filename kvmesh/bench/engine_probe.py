@@ -191,9 +191,11 @@ def idle_gaps(spans: list[tuple[float, float]], names: list[str]) -> dict:
     """The device's idle time between the first interval and the last, in microsecond spans: short gaps
     (under SHORT_GAP_US: the wait between one kernel's end and the next one's start, inside a graph or
     a queue) against long ones (the device waiting for the host), and the short gaps' time by the name
-    of the kernel that ends them (what launched late)."""
+    of the kernel that ends them (what launched late). Long gaps are named too: by the kernel after
+    them, by the kernel before them, and by tenth of the span (where in the run the host was late)."""
     short_us, long_us, short_count, before = 0.0, 0.0, 0, {}
-    reach = None
+    long_after, long_before, long_spans = {}, {}, []
+    reach, previous = None, None
     for (start, end), name in sorted(zip(spans, names)):
         if reach is not None and start > reach:
             gap = start - reach
@@ -202,10 +204,25 @@ def idle_gaps(spans: list[tuple[float, float]], names: list[str]) -> dict:
                 before[name] = before.get(name, 0.0) + gap
             else:
                 long_us += gap
-        reach = end if reach is None else max(reach, end)
-    top = sorted(before.items(), key=lambda kv: -kv[1])[:12]
+                long_after[name] = long_after.get(name, 0.0) + gap
+                long_before[previous] = long_before.get(previous, 0.0) + gap
+                long_spans.append((reach, gap))
+        if reach is None or end > reach:
+            reach, previous = end, name
+
+    def top(by: dict) -> dict:
+        return {name: us / 1e3 for name, us in sorted(by.items(), key=lambda kv: -kv[1])[:12]}
+
+    tenths = [0.0] * 10
+    if long_spans:
+        first, last = min(s for s, _ in spans), max(e for _, e in spans)
+        width = (last - first) / 10 or 1.0
+        for at, gap in long_spans:
+            tenths[min(9, int((at - first) / width))] += gap / 1e3
     return {"short_gap_ms": short_us / 1e3, "short_gaps": short_count, "long_gap_ms": long_us / 1e3,
-            "short_gap_ms_before": {name: us / 1e3 for name, us in top}}
+            "short_gap_ms_before": top(before), "long_gaps": len(long_spans),
+            "long_gap_ms_before": top(long_after), "long_gap_ms_after": top(long_before),
+            "long_gap_ms_by_tenth": tenths}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:

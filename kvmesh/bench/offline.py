@@ -307,6 +307,14 @@ def print_table(r: dict) -> None:
                   f"20 us, {w['long_gap_ms']:.1f} ms in longer ones; the short gaps by the kernel after them:")
             for name, ms in w["short_gap_ms_before"].items():
                 print(f"    {ms:9.2f} ms  {name}")
+        if w.get("long_gaps"):
+            print(f"  the {w['long_gaps']} longer gaps (the device waiting for the host) by tenth of the "
+                  "window: " + " ".join(f"{ms:.1f}" for ms in w["long_gap_ms_by_tenth"]) + " ms; by the kernel after them:")
+            for name, ms in w["long_gap_ms_before"].items():
+                print(f"    {ms:9.2f} ms  {name}")
+            print("  and by the kernel before them:")
+            for name, ms in w["long_gap_ms_after"].items():
+                print(f"    {ms:9.2f} ms  {name}")
 
 
 def _print_step_times(t: dict) -> None:

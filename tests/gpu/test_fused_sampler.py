@@ -65,3 +65,22 @@ def test_the_general_path_keeps_what_the_kernel_does_not_do():
     rows = [Row(SamplingParams(temperature=0.8, max_tokens=8, logprobs=2)) for _ in range(8)]
     result = sampler(True).sample(logits, rows)
     assert result.logprobs is not None and len(result.top_logprobs[0]) == 2
+
+
+def test_the_pick_kernel_compiles_one_form_whatever_the_seed():
+    """A new seed each step: one compiled form serves them all (Triton specializes integer arguments
+    on divisibility by 16 unless told not to, and would compile again inside a run)."""
+    from kvmesh.kernels.sample import _sample_pick_kernel, sample_from_logits
+
+    logits = torch.randn(4, VOCAB, device="cuda", dtype=torch.bfloat16)
+    inv_temperature = torch.full((4,), 1 / 0.6, device="cuda")
+
+    def forms() -> int:
+        return sum(len(cache[0]) for cache in _sample_pick_kernel.device_caches.values())
+
+    sample_from_logits(logits, inv_temperature, 12345)
+    before = forms()
+    for seed in (16, 17, 32, 1, 2**30):
+        sample_from_logits(logits, inv_temperature, seed)
+    torch.cuda.synchronize()
+    assert forms() == before == 1, (before, forms())

@@ -61,6 +61,13 @@ def offline_text():
     return out[0].text
 
 
+def test_health_is_ok_when_serve_prints_its_ready_line(cluster):
+    """The first test of the module's cluster: `kvmesh serve` prints "Ctrl-C stops it." once the
+    workers have reported to the KV event hub, so /health answers ok at once (not no_workers)."""
+    with urllib.request.urlopen(cluster.http_url + "/health", timeout=30) as resp:
+        assert (resp.status, json.load(resp)) == (200, {"status": "ok", "workers": 2})
+
+
 def test_openai_client_streams_the_same_chat_as_llm_chat(openai_client, offline_text):
     stream = openai_client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.8, seed=SEED, stream=True,

@@ -123,6 +123,37 @@ print(json.dumps({"alive": alive, "killed": event_hub.kill_hub(sys.argv[2])}), f
 ray.shutdown()
 """
 
+# launcher.wait_for_workers against the app's real hub: with no worker reported, and then with one
+# and two workers' loads published into it (what each worker replica does a second or so after Serve
+# calls it healthy).
+WAIT_FOR_WORKERS = """
+import json, sys, time
+import ray
+from kvmesh.cluster import event_hub, launcher
+from kvmesh.protocol import KVSnapshot, WorkerLoad
+from kvmesh.serve_config import parse_config
+ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
+cfg = parse_config({"app_name": sys.argv[2], "replicas": {"num_replicas": 2}})
+hub = event_hub.get_or_create_hub(sys.argv[2])
+
+def report(worker):
+    ray.get(hub.publish_snapshot.remote(KVSnapshot(worker, 0, 0, []), WorkerLoad(worker, timestamp=time.time()),
+                                        None), timeout=60)
+
+def wait(timeout_s):
+    started = time.monotonic()
+    health = launcher.wait_for_workers(cfg, timeout_s=timeout_s)
+    return [health.status, health.workers, round(time.monotonic() - started, 2)]
+
+none = wait(1.0)
+report("w1")
+one = wait(1.0)
+report("w2")
+two = wait(30.0)
+print(json.dumps({"none": none, "one": one, "two": two, "killed": event_hub.kill_hub(sys.argv[2])}), flush=True)
+ray.shutdown()
+"""
+
 
 def _env(**extra) -> dict[str, str]:
     env = with_this_source(loopback_ray_env())
@@ -232,3 +263,16 @@ def test_the_hub_is_a_detached_zero_cpu_actor_named_after_the_app_in_the_serve_n
     # the driver that created it has exited: a non-detached actor would have ended with its job
     after = _driver(HUB_AFTER, info["gcs"], "myapp")
     assert after == {"alive": created["created"], "killed": True}, (created, after)
+
+
+def test_serve_prints_ready_once_the_workers_have_reported_to_the_hub(local_ray):
+    """`kvmesh serve` prints its ready line after launcher.wait_for_workers: /health then answers
+    ok and counts every replica the deployment starts with. Against the app's real hub: with no
+    worker reported it waits out its bound and says no_workers; with one of two it waits on; with
+    both it returns at once."""
+    _, info = local_ray
+    got = _driver(WAIT_FOR_WORKERS, info["gcs"], "waitapp")
+    assert got["none"][:2] == ["no_workers", 0] and got["none"][2] >= 1.0, got
+    assert got["one"][:2] == ["ok", 1] and got["one"][2] >= 1.0, got  # 1 of 2: waited its bound
+    assert got["two"][:2] == ["ok", 2] and got["two"][2] < 5.0, got
+    assert got["killed"] is True

@@ -218,8 +218,14 @@ def test_idle_gaps_splits_launch_gaps_from_host_waits_and_names_the_late_kernel(
     assert gaps["short_gaps"] == 2 and abs(gaps["short_gap_ms"] - 3.5e-3) < 1e-12
     assert abs(gaps["long_gap_ms"] - 0.1) < 1e-12
     assert gaps["short_gap_ms_before"] == {"norm": 3.5e-3}
+    # the long gap is named by the kernel it ends (the host launched the gemm late) and the one
+    # before it, and starts in the third tenth of the 150 us span (at 40 us)
+    assert gaps["long_gaps"] == 1
+    assert gaps["long_gap_ms_before"] == {"gemm": 0.1} and gaps["long_gap_ms_after"] == {"norm": 0.1}
+    assert gaps["long_gap_ms_by_tenth"] == [0.0, 0.0, 0.1] + [0.0] * 7
     assert idle_gaps([], []) == {"short_gap_ms": 0.0, "short_gaps": 0, "long_gap_ms": 0.0,
-                                 "short_gap_ms_before": {}}
+                                 "short_gap_ms_before": {}, "long_gaps": 0, "long_gap_ms_before": {},
+                                 "long_gap_ms_after": {}, "long_gap_ms_by_tenth": [0.0] * 10}
 
 
 def test_fit_decode_steps_recovers_the_costs_and_leaves_prefill_steps_out():
