@@ -8,8 +8,16 @@ prompt chunks, or more sequences than the largest size, run eagerly. The attenti
 still runs on the host before each replay (flashinfer re-plans its graph wrapper's fixed buffers;
 the Triton kernels read lengths and tables from the static buffers). Captured with max_seq_len set to
 the model's limit, so a split-KV decode's captured split count suits any context.
+
+The static inputs are views of one device buffer of bytes; `run_step` (the single-GPU runner's
+decode steps) fills a pinned mirror of it on the host, padding rows included, and updates them all
+with one host-to-device copy, then writes the step's placeholder tokens from the previous step's
+samples with one gather and one scatter: three launches before the replay instead of a dozen (each
+a wait for the host once the device has drained its queue). `run` takes device tensors (tensor
+parallelism's broadcast step, tests).
 """
 
+import numpy as np
 import torch
 
 from kvmesh.worker.attention.base import AttentionMetadata, ForwardContext, forward_context
@@ -31,12 +39,21 @@ class DecodeCudaGraphs:
         self.max_model_len = max_model_len
         self.batch_sizes = batch_size_ladder(max_batch_size)
         n = self.batch_sizes[-1]
-        # static inputs, shared by every graph (each graph reads a leading slice)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # static inputs, shared by every graph (each graph reads a leading slice): views of one
+        # buffer of bytes, with a pinned mirror on the host for each of two steps in flight
+        self.layout = _packed_layout(n, max_blocks_per_seq)
+        size = self.layout["_bytes"]
+        self.packed = torch.zeros(size, dtype=torch.uint8, device=device)
+        views = _views(self.packed, self.layout)
+        self.input_ids, self.positions, self.slot_mapping = views["input_ids"], views["positions"], views["slot_mapping"]
+        self.seq_lens, self.block_tables = views["seq_lens"], views["block_tables"]
+        self.flat, self.rows = views["flat"], views["rows"]  # placeholder tokens: where, and whence
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.mirrors = [torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.mirror_views = [{k: v.numpy() for k, v in _views(m, self.layout).items()} for m in self.mirrors]
+        self.mirror_copied = [None, None]  # the event after each mirror's last copy
+        self.next_mirror = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metadata: dict[int, AttentionMetadata] = {}
@@ -79,6 +96,56 @@ class DecodeCudaGraphs:
         return (0 < num_seqs <= self.max_batch_size and metadata.num_decode_tokens == num_seqs
                 and metadata.num_tokens == num_seqs)
 
+    def fits(self, num_seqs: int, num_tokens: int, num_decode_tokens: int) -> bool:
+        return 0 < num_seqs <= self.max_batch_size and num_decode_tokens == num_seqs == num_tokens
+
+    def run_step(self, step, pending: tuple[list[int], list[int]] | None,
+                 previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Replay the decode step of `step` (a HostStep that fits); `pending`: (row of a placeholder
+        token, its row in previous_tokens). Returns the final hidden states [num_seqs, hidden]."""
+        n = len(step.seq_lens)
+        batch = self.load_step(step, pending, previous_tokens)
+        graph_metadata = self.metadata[batch]
+        graph_metadata.seq_lens_cpu = list(step.seq_lens) + [1] * (batch - n)
+        graph_metadata.extra = {"cuda_graph_batch_size": batch}
+        self.backend.plan(graph_metadata)
+        self.graphs[batch].replay()
+        return self.outputs[batch][:n]
+
+    def load_step(self, step, pending: tuple[list[int], list[int]] | None,
+                  previous_tokens: torch.Tensor | None) -> int:
+        """The step's inputs into the static buffers (padding rows up to the graph's batch size
+        included) by one copy of a pinned mirror, then its placeholder tokens from
+        previous_tokens; returns the graph's batch size."""
+        n = len(step.seq_lens)
+        batch = next(b for b in self.batch_sizes if b >= n)
+        i = self.next_mirror
+        self.next_mirror = 1 - i
+        if self.mirror_copied[i] is not None:  # its copy two steps ago: long done, unless the
+            self.mirror_copied[i].synchronize()  # device is two steps behind
+        v = self.mirror_views[i]
+        v["input_ids"][:n] = step.input_ids
+        v["positions"][:n] = step.positions
+        v["slot_mapping"][:n] = step.slot_mapping
+        v["seq_lens"][:n] = step.seq_lens
+        v["input_ids"][n:batch] = 0
+        v["positions"][n:batch] = 0
+        v["slot_mapping"][n:batch] = -1  # padding rows store nothing (store_kvcache skips -1)
+        v["seq_lens"][n:batch] = 1
+        width = step.block_table.shape[1]
+        v["block_tables"][:n, :width] = step.block_table
+        k = len(pending[0]) if pending else 0
+        if k:
+            v["flat"][:k], v["rows"][:k] = pending
+        self.packed.copy_(self.mirrors[i], non_blocking=True)
+        copied = torch.cuda.Event() if self.packed.is_cuda else None
+        if copied is not None:
+            copied.record()
+        self.mirror_copied[i] = copied
+        if k:
+            self.input_ids[self.flat[:k]] = previous_tokens[self.rows[:k]]
+        return batch
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Replay the decode step; returns the final hidden states [num_seqs, hidden]."""
         n = metadata.num_seqs
@@ -98,3 +165,30 @@ class DecodeCudaGraphs:
         self.backend.plan(graph_metadata)
         self.graphs[batch].replay()
         return self.outputs[batch][:n]
+
+
+_PACKED = (("input_ids", torch.int64, 1), ("positions", torch.int64, 1), ("slot_mapping", torch.int64, 1),
+           ("flat", torch.int64, 1), ("rows", torch.int64, 1), ("seq_lens", torch.int32, 1),
+           ("block_tables", torch.int32, None))
+
+
+def _packed_layout(rows: int, width: int) -> dict:
+    """Byte offset and shape of each static input in the packed buffer (each aligned to 256 bytes)."""
+    layout, offset = {}, 0
+    for name, dtype, per_row in _PACKED:
+        shape = (rows,) if per_row == 1 else (rows, width)
+        layout[name] = (offset, dtype, shape)
+        offset += -(-int(np.prod(shape)) * dtype.itemsize // 256) * 256
+    layout["_bytes"] = offset
+    return layout
+
+
+def _views(buffer: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+    views = {}
+    for name, entry in layout.items():
+        if name.startswith("_"):
+            continue
+        offset, dtype, shape = entry
+        size = int(np.prod(shape)) * dtype.itemsize
+        views[name] = buffer[offset:offset + size].view(dtype).view(shape)
+    return views

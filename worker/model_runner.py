@@ -7,6 +7,7 @@ only `follow()`: they never see a SchedulerOutput, and compute logits only to ta
 the gather (rank 0 samples)."""
 
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -24,6 +25,11 @@ from kvmesh.worker.sampler import PendingSample, Sampler
 from kvmesh.worker.scheduler import SchedulerOutput
 from kvmesh.worker.step_broadcast import HostStep, StepChannel, StepInputs
 from kvmesh.worker.tensor_parallel import SINGLE, TensorParallel, local_heads
+
+
+# Decode steps a CUDA graph fits load their inputs with one copy (DecodeCudaGraphs.run_step);
+# KVMESH_PACKED_DECODE_INPUTS=0 copies each input apart as before (A/B runs).
+PACKED_DECODE_INPUTS = os.environ.get("KVMESH_PACKED_DECODE_INPUTS", "1") != "0"
 
 
 class ModelRunner:
@@ -145,8 +151,8 @@ class ModelRunner:
         return HostStep(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, query_start_loc,
                         query_lens, seq_lens, table, logits_indices, num_decode_tokens)
 
-    def prepare(self, output: SchedulerOutput):
-        step = self.prepare_host(output)
+    def prepare(self, output: SchedulerOutput, step: HostStep | None = None):
+        step = step if step is not None else self.prepare_host(output)
         dev = self.device
         metadata = AttentionMetadata(
             query_start_loc=to_device(step.query_start_loc, torch.int32, dev),
@@ -166,7 +172,20 @@ class ModelRunner:
         from its device tensor, so this step can be launched before the previous one is done."""
         if self.channel is not None:
             return self._execute_parallel(output, previous)
-        (input_ids, positions), metadata, logits_indices = self.prepare(output)
+        step = self.prepare_host(output)
+        num_seqs = len(step.seq_lens)
+        if (PACKED_DECODE_INPUTS and self.graph_runner is not None and not output.blocks_to_copy and len(step.logits_indices) == num_seqs
+                and self.graph_runner.fits(num_seqs, len(step.input_ids), step.num_decode_tokens)
+                and all(e.request.prompt_logprobs is None for e in output.scheduled)):
+            # a decode step that a graph fits, each sequence sampling once (no fork): its inputs in
+            # one copy, its hidden states as they come out of the graph (no gather before the logits)
+            pending = self._pending_inputs(output)
+            if pending and previous is None:
+                raise RuntimeError("a step has placeholder tokens but no previous step to read them from")
+            hidden = self.graph_runner.run_step(step, pending, previous.tokens if pending else None)
+            return self.sampler.sample_async(self.model.compute_logits(hidden),
+                                             [e.request for e in output.scheduled])
+        (input_ids, positions), metadata, logits_indices = self.prepare(output, step)
         if output.blocks_to_copy:  # copy on write of blocks shared by parallel sequences
             src, dst = (to_device(list(ids), torch.long, self.device) for ids in zip(*output.blocks_to_copy))
             self._copy_blocks(src, dst)
