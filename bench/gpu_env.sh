@@ -3,10 +3,10 @@
 #   .whl-ray  Ray + Serve wheels       (../shared/device/wheels.sh ray .whl-ray)
 #   .whl-fi   flashinfer wheels        (../shared/device/wheels.sh flashinfer .whl-fi)
 #   .whl-x    xxhash, httptools, nano-vllm-fork, and xgrammar with pydantic for the grammar tests
-#             (EXTRA="xxhash httptools nano-vllm-fork xgrammar==0.2.9 pydantic==2.14.4 pydantic_core==2.50.5
+#             (EXTRA="xxhash httptools nano-vllm-fork xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic_core==2.50.5
 #              annotated-types==0.8.0 typing-inspection==0.4.5" ../shared/device/wheels.sh extra .whl-x)
 #   .whl-s    beside .whl-ray for serving: what the ingress and workers import that the device lacks
-#             (EXTRA="xxhash httptools grpcio-health-checking==1.85.1 xgrammar==0.2.9" ../shared/device/wheels.sh extra .whl-s)
+#             (EXTRA="xxhash httptools grpcio-health-checking==1.85.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2" ../shared/device/wheels.sh extra .whl-s)
 #   .fa-bin   the minimal flash-attn build, or .fa-tgz/fa.tgz (the same, gzipped, to fit beside Ray)
 #   .fi-cache flashinfer's JIT cache
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi MAX_JOBS=16
