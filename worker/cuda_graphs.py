@@ -97,6 +97,7 @@ class DecodeCudaGraphs:
                 and metadata.num_tokens == num_seqs)
 
     def fits(self, num_seqs: int, num_tokens: int, num_decode_tokens: int) -> bool:
+        """A step of one decode token per sequence, no more sequences than the largest graph."""
         return 0 < num_seqs <= self.max_batch_size and num_decode_tokens == num_seqs == num_tokens
 
     def run_step(self, step, pending: tuple[list[int], list[int]] | None,
