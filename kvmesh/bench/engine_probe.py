@@ -61,13 +61,15 @@ class StepProbe:
 
     def _follow_window(self) -> None:
         """Profile the device's kernels (no host activity: the host loop runs at its own speed) from
-        the window's first step to its last, then measure how busy the GPU was in that wall time."""
+        the window's first step to its last, then measure how busy the GPU was in that wall time.
+        With profile_path, the host's activity too (slower, to see what the host did while the
+        device waited), written there as a Chrome trace."""
         if self.profile_window is None or self.window is not None:
             return
         first, last = self.profile_window
         if self._window_profiler is None:
             if len(self.steps) >= first:
-                self._window_profiler = _profiler(host=False)
+                self._window_profiler = _profiler(host=self.profile_path is not None)
                 self._window_profiler.start()
                 self._window_start, self._window_first = time.perf_counter(), len(self.steps)
         elif len(self.steps) >= last:
@@ -77,7 +79,8 @@ class StepProbe:
         sync(self.engine.device)
         wall = time.perf_counter() - self._window_start
         self._window_profiler.stop()
-        self.window = gpu_busy(self._window_profiler, wall, len(self.steps) - self._window_first)
+        self.window = gpu_busy(self._window_profiler, wall, len(self.steps) - self._window_first,
+                               trace_path=self.profile_path)
 
     def finish(self) -> None:
         """Close a window the run ended inside."""
@@ -146,15 +149,16 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gpu_busy(prof, wall_seconds: float, steps: int) -> dict:
+def gpu_busy(prof, wall_seconds: float, steps: int, trace_path: str | None = None) -> dict:
     """The union of the device's kernel and copy intervals in a profile, against the wall time it
-    covered: near 1, the GPU bounds the run; well under 1, the host does."""
+    covered: near 1, the GPU bounds the run; well under 1, the host does. trace_path: keep the
+    profile's Chrome trace there (else it goes to a temporary file)."""
     import json
     import os
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
+        path = trace_path or os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])

@@ -65,7 +65,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step of the run (torch.profiler) and print where its time goes")
-    p.add_argument("--profile-trace", default=None, help="write the profiled step's Chrome trace here")
+    p.add_argument("--profile-trace", default=None,
+                   help="write the profiled step's Chrome trace here; with --profile-window, the window's, "
+                        "host activity included (the host loop then runs slower than without)")
     p.add_argument("--profile-window", default=None, metavar="FIRST:LAST",
                    help="profile the GPU's kernels from step FIRST to step LAST of the run (no host "
                         "tracing) and report how busy the GPU was over that wall time: whether the "

@@ -183,6 +183,19 @@ def test_logprob_diff_refuses_files_of_different_runs_and_a_bad_count_fails_befo
     assert "--logprobs-prompts must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_profile_window_with_a_trace_path_writes_the_hosts_activity_there(capsys, tmp_path):
+    """--profile-window with --profile-trace: the window's Chrome trace, the host's calls in it
+    (the engine's step and the runner's execute among them)."""
+    trace = tmp_path / "window.json"
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "3", "--max-input-len", "24",
+                          "--max-output-len", "12", "--min-len", "4", "--profile-window", "2:6",
+                          "--profile-trace", str(trace), "--json"])
+    assert r["profile_window"]["steps"] == 4
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events if e.get("ph") == "X"}
+    assert any(name.startswith("aten::") for name in names), sorted(names)[:20]
+
+
 def test_profile_window_reports_the_steps_it_covered_and_refuses_a_bad_range(capsys):
     """--profile-window FIRST:LAST profiles the device's kernels over those steps and reports their
     wall time and how busy the GPU was (here, without a GPU, no device time); a reversed range or
