@@ -201,6 +201,11 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
     return endpoints
 
 
+def initial_workers(cfg: ServeConfig) -> int:
+    """The worker replicas the deployment starts with: num_replicas, or autoscaling's min_replicas."""
+    return cfg.autoscaling.min_replicas if cfg.autoscaling.enabled else cfg.replicas.num_replicas
+
+
 def wait_for_workers(cfg: ServeConfig, timeout_s: float = 60.0):
     """After the deploy: until the worker replicas the deployment starts with (num_replicas, or
     autoscaling's min_replicas) have reported their load to the KV event hub as healthy, a second or
@@ -211,7 +216,7 @@ def wait_for_workers(cfg: ServeConfig, timeout_s: float = 60.0):
     from kvmesh.cluster.event_hub import NAMESPACE, hub_name
     from kvmesh.cluster.status import cluster_health
 
-    want = cfg.autoscaling.min_replicas if cfg.autoscaling.enabled else cfg.replicas.num_replicas
+    want = initial_workers(cfg)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -309,8 +314,8 @@ def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
         if not health.serving:
             print(f"kvmesh serve: no worker has reported to the KV event hub yet ({health.status}); "
                   "/health answers 503 until one does", file=out)
-        elif health.workers < cfg.replicas.num_replicas and not cfg.autoscaling.enabled:
-            print(f"kvmesh serve: {health.workers} of {cfg.replicas.num_replicas} worker replicas have "
+        elif not cfg.autoscaling.enabled and health.workers < initial_workers(cfg):
+            print(f"kvmesh serve: {health.workers} of {initial_workers(cfg)} worker replicas have "
                   "reported to the KV event hub so far", file=out)
         print(f"kvmesh serving {cfg.model} on {cfg.replicas.num_replicas} worker replica(s), "
               f"routing {cfg.routing.policy} (ready in {time.monotonic() - started:.1f} s)", file=out)

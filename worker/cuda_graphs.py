@@ -92,9 +92,7 @@ class DecodeCudaGraphs:
         torch.cuda.synchronize()
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
-        num_seqs = metadata.num_seqs
-        return (0 < num_seqs <= self.max_batch_size and metadata.num_decode_tokens == num_seqs
-                and metadata.num_tokens == num_seqs)
+        return self.fits(metadata.num_seqs, metadata.num_tokens, metadata.num_decode_tokens)
 
     def fits(self, num_seqs: int, num_tokens: int, num_decode_tokens: int) -> bool:
         """A step of one decode token per sequence, no more sequences than the largest graph."""
@@ -104,14 +102,7 @@ class DecodeCudaGraphs:
                  previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Replay the decode step of `step` (a HostStep that fits); `pending`: (row of a placeholder
         token, its row in previous_tokens). Returns the final hidden states [num_seqs, hidden]."""
-        n = len(step.seq_lens)
-        batch = self.load_step(step, pending, previous_tokens)
-        graph_metadata = self.metadata[batch]
-        graph_metadata.seq_lens_cpu = list(step.seq_lens) + [1] * (batch - n)
-        graph_metadata.extra = {"cuda_graph_batch_size": batch}
-        self.backend.plan(graph_metadata)
-        self.graphs[batch].replay()
-        return self.outputs[batch][:n]
+        return self._replay(self.load_step(step, pending, previous_tokens), step.seq_lens)
 
     def load_step(self, step, pending: tuple[list[int], list[int]] | None,
                   previous_tokens: torch.Tensor | None) -> int:
@@ -119,7 +110,7 @@ class DecodeCudaGraphs:
         included) by one copy of a pinned mirror, then its placeholder tokens from
         previous_tokens; returns the graph's batch size."""
         n = len(step.seq_lens)
-        batch = next(b for b in self.batch_sizes if b >= n)
+        batch = self._graph_batch(n)
         i = self.next_mirror
         self.next_mirror = 1 - i
         if self.mirror_copied[i] is not None:  # its copy two steps ago: long done, unless the
@@ -150,7 +141,7 @@ class DecodeCudaGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Replay the decode step; returns the final hidden states [num_seqs, hidden]."""
         n = metadata.num_seqs
-        batch = next(b for b in self.batch_sizes if b >= n)
+        batch = self._graph_batch(n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
@@ -160,8 +151,18 @@ class DecodeCudaGraphs:
             self.seq_lens[n:batch].fill_(1)
         width = metadata.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
+        return self._replay(batch, metadata.seq_lens_cpu)
+
+    def _graph_batch(self, n: int) -> int:
+        """The batch size of the graph that runs n sequences: the smallest captured one >= n."""
+        return next(b for b in self.batch_sizes if b >= n)
+
+    def _replay(self, batch: int, seq_lens_cpu: list[int]) -> torch.Tensor:
+        """Plan the backend for the graph of `batch` (its padding rows a context of 1), replay it,
+        and return the real rows' final hidden states."""
+        n = len(seq_lens_cpu)
         graph_metadata = self.metadata[batch]
-        graph_metadata.seq_lens_cpu = list(metadata.seq_lens_cpu) + [1] * (batch - n)
+        graph_metadata.seq_lens_cpu = list(seq_lens_cpu) + [1] * (batch - n)
         graph_metadata.extra = {"cuda_graph_batch_size": batch}
         self.backend.plan(graph_metadata)
         self.graphs[batch].replay()
