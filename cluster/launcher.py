@@ -230,6 +230,19 @@ def wait_for_workers(cfg: ServeConfig, timeout_s: float = 60.0):
         time.sleep(0.2)
 
 
+def ready_notes(cfg: ServeConfig, health) -> list[str]:
+    """What `kvmesh serve` says above its ready line when wait_for_workers ran out of time: that no
+    worker reported (so /health answers 503 until one does), or how many of the replicas it starts
+    with did (not under autoscaling, where the count moves)."""
+    if not health.serving:
+        return [f"kvmesh serve: no worker has reported to the KV event hub yet ({health.status}); "
+                "/health answers 503 until one does"]
+    if not cfg.autoscaling.enabled and health.workers < initial_workers(cfg):
+        return [f"kvmesh serve: {health.workers} of {initial_workers(cfg)} worker replicas have "
+                "reported to the KV event hub so far"]
+    return []
+
+
 def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
     import ray
     from ray import serve
@@ -310,13 +323,8 @@ def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
     try:
         started = time.monotonic()
         endpoints = deploy(cfg)
-        health = wait_for_workers(cfg)
-        if not health.serving:
-            print(f"kvmesh serve: no worker has reported to the KV event hub yet ({health.status}); "
-                  "/health answers 503 until one does", file=out)
-        elif not cfg.autoscaling.enabled and health.workers < initial_workers(cfg):
-            print(f"kvmesh serve: {health.workers} of {initial_workers(cfg)} worker replicas have "
-                  "reported to the KV event hub so far", file=out)
+        for note in ready_notes(cfg, wait_for_workers(cfg)):
+            print(note, file=out)
         print(f"kvmesh serving {cfg.model} on {cfg.replicas.num_replicas} worker replica(s), "
               f"routing {cfg.routing.policy} (ready in {time.monotonic() - started:.1f} s)", file=out)
         print(f"  OpenAI HTTP: {endpoints['http']}", file=out)
