@@ -41,6 +41,16 @@ CHARS_PER_TOKEN_BOUND = 32
 ENGINE_NAMED_FIELDS = ("n", "best_of", "stop_token_ids", "logit_bias", "structured_outputs")
 
 
+def message_chars(message: dict) -> int:
+    """A chat message's characters as the template gets them: its content, and the JSON of what else
+    it carries there (an assistant's tool calls with their arguments, a tool call's id, a name)."""
+    num_chars = len(message.get("content") or "")
+    for key, value in message.items():
+        if key not in ("role", "content") and value is not None:
+            num_chars += len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+    return num_chars
+
+
 class Frontend:
     def __init__(self, config: ServeConfig, worker_handle):
         from kvmesh.worker.loader import load_tokenizer
@@ -97,7 +107,7 @@ class Frontend:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
-        num_chars = sum(len(m["content"] or "") for m in messages)
+        num_chars = sum(message_chars(m) for m in messages)
         if tools:
             num_chars += len(json.dumps(tools))
         await self._check_chars(num_chars, "messages")

@@ -4,7 +4,8 @@ each method's protobuf deserializer; when it raises, grpc's asyncio server answe
 any Serve or kvmesh code runs, and Serve has no setting for it. Here the deserializer of each
 unary-request method returns a `MalformedRequest` instead of raising, and the method's handler
 answers it with INVALID_ARGUMENT and protobuf's reason (which names the message type). Client-streaming methods (kvmesh has
-none) are left as they are. tests/integration/test_grpc_surface.py sends raw bytes.
+none) are left as they are. tests/integration/test_transport_limits.py
+(test_malformed_request_bytes_get_invalid_argument) sends raw bytes.
 """
 
 from __future__ import annotations

@@ -25,16 +25,18 @@ def test_launch_runs_the_trace_and_splits_cpu_time_by_process(tmp_path, capsys):
     assert "CPU per request / per streamed chunk" in capsys.readouterr().out
 
 
-def test_a_rate_sweep_through_the_direct_port_gives_a_row_per_rate_samples_and_a_plot(tmp_path):
+def test_a_rate_sweep_through_the_direct_port_gives_a_row_per_rate_samples_and_a_plot(tmp_path, capsys):
     from kvmesh.cluster.local import free_port
 
+    port = free_port()
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code = serve.main(["--launch", "--replicas 1 --device cpu --model random:tiny-llama", "--policies", "kv_events",
                        "--rate", "4", "8", "--num-requests", "8", "--num-tenants", "2", "--system-tokens", "64",
                        "--suffix-tokens", "8", "16", "--output-tokens", "4", "8",
-                       "--direct-http-port", str(free_port()), "--sample-s", "0.2",
+                       "--direct-http-port", str(port), "--sample-s", "0.2",
                        "--plot", str(png), "--json", str(out)])
     assert code == 0
+    assert f"[kv_events] serving at http://127.0.0.1:{port}\n" in capsys.readouterr().err  # the requests' URL
     rows = json.loads(out.read_text())["results"]
     assert sorted(rows) == ["kv_events @ 4/s", "kv_events @ 8/s"]
     assert all(r["ok"] == 8 and r["policy"] == "kv_events" for r in rows.values())

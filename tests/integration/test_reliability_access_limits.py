@@ -134,6 +134,24 @@ def test_grpc_needs_the_key_in_metadata(cluster):
     assert grpc_call(cluster.grpc_target, "Health").healthy  # open: auth_health is off
 
 
+def test_every_route_but_health_needs_the_key(cluster):
+    # the routes as the app lists them (/openapi.json and /docs: test_api_docs_when_on_need_the_key),
+    # so a route added without the key check fails here
+    status, schema, _ = http(cluster.http_url + "/openapi.json", headers=auth(CLI_KEY), method="GET")
+    assert status == 200, schema
+    routes = {(method.upper(), path) for path, ops in schema["paths"].items() for method in ops}
+    assert {("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+            ("GET", "/v1/kvmesh/workers"), ("GET", "/metrics")} <= routes, routes
+    for method, path in sorted(routes - {("GET", "/health")}):
+        url = cluster.http_url + path.replace("{model_id}", MODEL)
+        for headers in ({}, auth("sk-wrong")):
+            status, body, hdrs = http(url, {} if method == "POST" else None, headers, method=method)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (method, path, status, body)
+            assert hdrs["WWW-Authenticate"] == "Bearer", (method, path)
+    status, body, _ = http(cluster.http_url + "/tokenize", {"model": MODEL, "prompt": "hello"}, auth(ENV_KEY))
+    assert status == 200 and body["count"] >= 1, body
+
+
 def test_health_is_open_and_metrics_needs_a_key_as_configured(cluster):
     status, body, _ = http(cluster.http_url + "/health")
     assert status == 200 and body["status"] == "ok"

@@ -162,6 +162,21 @@ def test_reflection_is_off_by_default(cluster):
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_the_direct_port_needs_the_key_as_the_proxy_does(cluster):
+    for name, port in http_ports(cluster).items():
+        base = f"http://127.0.0.1:{port}"
+        for headers in ({}, auth("sk-wrong"), {"Authorization": KEY}):
+            status, body, hdrs = http(base + "/v1/models", headers=headers, method="GET")
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (name, headers, body)
+            assert hdrs["WWW-Authenticate"] == "Bearer", name
+            status, body, _ = http(base + "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1},
+                                   headers)
+            assert status == 401 and body["error"]["type"] == "authentication_error", (name, headers, body)
+        status, body, _ = http(base + "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1},
+                               auth(KEY))
+        assert status == 200 and body["usage"]["completion_tokens"] == 1, (name, body)
+
+
 def test_the_server_keeps_serving_after_all_of_the_above(cluster):
     status, body, _ = http(cluster.http_url + "/v1/completions",
                            {"model": MODEL, "prompt": "hello", "max_tokens": 4}, auth(KEY))

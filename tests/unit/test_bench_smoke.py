@@ -90,6 +90,12 @@ def test_latency_smoke(capsys):
     assert r["ttft_prompt_len"] == 32 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
 
 
+def test_latency_takes_fp8_weights(capsys):
+    r = run_json(capsys, ["bench", "latency", *TINY, "--prompt-len", "16", "--decode-prompt-len", "8",
+                          "--output-len", "4", "--repeats", "1", "--quantization", "fp8", "--json"])
+    assert r["quantization"] == "fp8" and r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+
+
 def test_floor_counts_weights_once_and_kv_per_sequence():
     shape = ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
                        head_dim=4, vocab_size=10, tie_word_embeddings=True)

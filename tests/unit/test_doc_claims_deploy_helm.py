@@ -184,11 +184,13 @@ def test_changing_the_autoscaling_bounds_leaves_the_ray_cluster_spec_as_it_was()
     {"kvmesh": {"server": {"http_port": 8100}}}, {"kvmesh": {"server": {"host": "::"}}},
     {"kvmesh": {"server": {"grpc_port": 9100}}}, {"kvmesh": {"server": {"max_header_bytes": 32768}}},
     {"kvmesh": {"server": {"header_timeout_s": 5}}}, {"kvmesh": {"server": {"stream_idle_timeout_s": 5}}},
+    {"kvmesh": {"server": {"keep_alive_timeout_s": 9}}}, {"kvmesh": {"server": {"grpc_reflection": True}}},
     {"kvmesh": {"autoscaling": {"enabled": True}}},
 ])
 def test_kvmesh_settings_the_pods_carry_change_the_ray_cluster_spec(values):
-    """DEPLOY.md: "kvmesh.server's ports, host and header and stream settings,
-    kvmesh.autoscaling.enabled, and the model when modelCache.prefetch is on are in the pods' spec"."""
+    """DEPLOY.md: "kvmesh.server's ports, host and header and stream settings, its
+    keep_alive_timeout_s and grpc_reflection, kvmesh.autoscaling.enabled, and the model when
+    modelCache.prefetch is on" are in the pods' spec."""
     assert _ray_cluster(values) != _ray_cluster({})
 
 

@@ -167,6 +167,19 @@ def serve_args(*argv):
     return build_parser().parse_args(["serve", *argv])
 
 
+def test_serve_asks_the_first_ranked_replica_for_its_queue_length_with_a_half_second_deadline():
+    # RELIABILITY.md ("Known limit"): the names are Serve's RequestRouter's, so Serve reads them
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    from kvmesh.cluster.request_router import KVAwareRequestRouter
+
+    assert issubclass(KVAwareRequestRouter, RequestRouter)
+    for name in ("queue_len_response_deadline_s", "max_queue_len_response_deadline_s"):
+        assert name in vars(RequestRouter), name  # not a name of kvmesh's own
+    assert KVAwareRequestRouter.queue_len_response_deadline_s == 0.5
+    assert KVAwareRequestRouter.max_queue_len_response_deadline_s == 2.0
+
+
 def test_kvmesh_serve_options_override_the_config(tmp_path):
     """Run it: "Options override the config: `--replicas`, `--device cpu|cuda` (`cpu` also sets
     `replicas.num_gpus: 0`), `--model`, `--policy`, `--host`, `--http-port`, `--grpc-port` ...,

@@ -161,6 +161,19 @@ def test_bad_prompts_raise_and_other_requests_carry_on():
     assert [d.finish_reason for d in deltas if d.finished] == ["length"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_outgrows_the_whole_pool_alone_ends_with_length(async_scheduling):
+    # preempting it frees nothing another request holds: it would never fit again (RELIABILITY.md)
+    small = LLM(MODEL, block_size=4, kv_cache_memory_bytes=4 * 1024,  # 4 blocks = 16 tokens
+                async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    [out] = small.generate(prompt_token_ids=[[1] * 10], sampling_params=params)
+    assert (out.finish_reason, len(out.token_ids)) == ("length", 7)  # 16 tokens held, the 7th sampled
+    assert small.engine.block_manager.num_free_blocks == 4
+    [after] = small.generate(prompt_token_ids=[[2] * 5], sampling_params=SamplingParams(max_tokens=3))
+    assert len(after.token_ids) == 3  # the engine keeps serving
+
+
 def test_unknown_and_corrupt_models_are_clear(tmp_path):
     with pytest.raises(ValueError, match="model: 'no/such/model'"):
         LLM("no/such/model")

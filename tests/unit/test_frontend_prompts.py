@@ -42,6 +42,32 @@ def test_a_prompt_over_the_character_limit_is_refused_untokenized():
     assert asyncio.run(fe.encode_text("a" * 1000)) == [ord("a")] * 1000
 
 
+def test_tool_call_arguments_in_the_history_count_toward_the_character_limit():
+    # an assistant's earlier tool calls go to the chat template beside its content: a history of
+    # short contents and long arguments is refused untokenized as a long content would be
+    fe = frontend({"max_prompt_chars": 1000})
+    calls = []
+    fe._tokenize = lambda *a, **k: calls.append(1)
+    call = {"type": "function", "id": "call_1", "function": {"name": "f", "arguments": {"x": "y" * 1000}}}
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fe.encode_chat([{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                                    {"role": "tool", "content": "ok", "tool_call_id": "call_1"}]))
+    assert e.value.param == "messages" and "the limit is 1000" in e.value.message
+    assert calls == []
+
+
+def test_a_message_counts_its_content_and_the_json_of_what_else_it_carries():
+    from kvmesh.cluster.frontend import message_chars
+
+    assert message_chars({"role": "user", "content": "abc"}) == 3
+    assert message_chars({"role": "assistant", "content": None}) == 0
+    assert message_chars({"role": "tool", "content": "ok", "tool_call_id": "call_1"}) == 2 + 6
+    calls = [{"function": {"name": "f", "arguments": {"x": "é"}}}]
+    assert message_chars({"role": "assistant", "content": "", "tool_calls": calls}) == len(
+        '[{"function": {"name": "f", "arguments": {"x": "é"}}}]')
+
+
 def test_a_long_prompt_is_tokenized_while_the_event_loop_keeps_running():
     fe = frontend({"max_prompt_chars": 50_000_000, "max_prompt_tokens": 50_000_000})
     text = "the quick brown fox " * 250_000  # 5 MB: about a second of tokenizing here

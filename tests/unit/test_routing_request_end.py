@@ -141,3 +141,15 @@ def test_a_stream_cut_short_takes_the_request_out_of_the_load(registered):
     assert state.loads()[worker].waiting == 0
     _, _, computed = state.router.policy.pending.continuation(hash_array(block_hashes(SECOND, B)), 0)
     assert not computed
+
+
+def test_a_copy_remembers_the_last_4096_requests_it_routed(monkeypatch):
+    # ROUTING.md: the oldest unheard-of request is forgotten beyond 4,096 (a bounded memory)
+    from kvmesh.router import routing_state
+
+    assert routing_state.MAX_ROUTED_REQUESTS == 4096
+    monkeypatch.setattr(routing_state, "MAX_ROUTED_REQUESTS", 3)
+    state = idle_pair()
+    for i in range(5):
+        route(state, [i] * 20, request_id=f"r{i}")
+    assert [state.finished(f"r{i}") for i in range(5)] == [False, False, True, True, True]

@@ -46,3 +46,33 @@ def test_the_grpc_proxy_binds_the_configured_host():
 
 def test_without_a_configured_host_the_grpc_proxy_keeps_serves_every_interface_bind():
     assert listening_addresses(None) == "['::']"
+
+
+REPLICA = """
+import asyncio, psutil, grpc, ray.util
+ray.util.get_node_ip_address = lambda: "127.0.0.1"  # the node's IP as Ray reports it on a loopback node
+from kvmesh.cluster import serve_bind_address
+serve_bind_address.apply()
+from ray.serve._private import replica
+
+async def main():
+    server = grpc.aio.server()
+    replica.add_port_to_grpc_server(server, "[::]:0")  # what each replica asks for its own server
+    await server.start()
+    me = psutil.Process()
+    print(sorted({c.laddr.ip for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}))
+    await server.stop(None)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("host", [None, "::1"])
+def test_a_replicas_own_grpc_server_binds_the_node_ip_whatever_the_listen_host(host):
+    # its callers dial <node ip>:<port>; server.host (KVMESH_LISTEN_HOST) is the proxies' address
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_LISTEN_HOST"}
+    if host is not None:
+        env["KVMESH_LISTEN_HOST"] = host
+    done = subprocess.run([sys.executable, "-c", REPLICA], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() in ("['127.0.0.1']", "['::ffff:127.0.0.1']")

@@ -290,3 +290,40 @@ def test_the_ranks_listen_on_nothing_beyond_loopback():
         assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2),
                             use_tqdm=False)[0].token_ids
     assert all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
+
+
+def _blocks_of_rank(rank: int, rendezvous: str, budgets: list[int], results) -> None:
+    from kvmesh.worker.kv_sizing import num_kv_blocks
+    from kvmesh.worker.tensor_parallel import destroy_group, init_group
+
+    tp = init_group(rank, len(budgets), rendezvous, torch.device("cpu"))
+    try:
+        config = EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32", block_size=4,
+                              kv_cache_memory_bytes=budgets[rank])
+        results.put((rank, num_kv_blocks(config, model_config_for("random:tiny-llama"), torch.device("cpu"),
+                                         torch.float32, tp)))
+    finally:
+        destroy_group()
+
+
+def test_every_rank_holds_the_blocks_of_the_rank_with_the_least_room():
+    # rank 0's block ids must exist in every rank's pool (SERVING.md): the least that fits any rank
+    import multiprocessing
+
+    from kvmesh.worker.tensor_parallel import rendezvous_file
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    budgets = [64 * 1024, 16 * 1024]  # tiny-llama's 1 KV head on both ranks: 1 KiB a 4-token block
+    rendezvous = rendezvous_file()
+    procs = [ctx.Process(target=_blocks_of_rank, args=(rank, rendezvous, budgets, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: 16, 1: 16}

@@ -86,6 +86,24 @@ def test_a_call_header_goes_as_soon_as_its_name_is_complete_and_arguments_as_gen
     assert [c.arguments for c in stream.calls] == ['{"city": "Rome"}']
 
 
+def test_an_output_cut_short_after_a_call_name_keeps_the_call():
+    # what was sent stays sent (SERVING.md): the header went out, so the call stays a call
+    stream = ToolStream(parse_tools(AUTO))
+    sent = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro')
+    assert sent[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert stream.finish() == []  # no content after the fact
+    assert [c.name for c in stream.calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("cut", ['<tool_call>\n{"name": "get_wea', '<tool_call>\n{"arguments": {"a": 1}, "na'])
+def test_an_output_cut_short_before_a_call_name_was_complete_is_content(cut):
+    stream = ToolStream(parse_tools(AUTO))
+    sent = [d for d in stream.feed(cut) + stream.finish()]
+    assert "".join(d.get("content", "") for d in sent) == cut  # as the whole-output parse reads it
+    assert not any("tool_calls" in d for d in sent) and stream.calls == []
+    assert parse_auto(cut) == (cut, [])
+
+
 @pytest.mark.parametrize("text", ["Paris is sunny.", '{"city": "Paris"}', "<tool_call>{not json}</tool_call>",
                                   "a < b <tool_ca", '<|python_tag|>{"city": 1}'])
 def test_text_that_is_no_call_is_content_whatever_the_split(text):

@@ -146,10 +146,11 @@ One worker group spec. Called with a dict: root (the chart context), name, group
         {{- with $group.labels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- with $group.annotations }}
       annotations:
+        {{- include "kvmesh.proxyOptionsAnnotation" $root | nindent 8 }}
+        {{- with $group.annotations }}
         {{- toYaml . | nindent 8 }}
-      {{- end }}
+        {{- end }}
     spec:
       containers:
         - name: ray-worker
@@ -233,6 +234,15 @@ own variable for a worker setup hook, so Serve's proxies and replicas that KubeR
 starts get the patches (request-head limits, stream idle timeout, gRPC cancel and decode, binds),
 with the settings of kvmesh.server.
 */}}
+{{/*
+Serve's proxy options that the proxies take only when they start (Serve keeps a running cluster's
+http_options and grpc_options, whatever a new serveConfigV2 says): carried in the pods' spec too, so
+that changing them starts a new cluster (KubeRay compares rayClusterConfig).
+*/}}
+{{- define "kvmesh.proxyOptionsAnnotation" -}}
+kvmesh.io/proxy-options: {{ printf "keep_alive_timeout_s=%v grpc_reflection=%v" .Values.kvmesh.server.keep_alive_timeout_s .Values.kvmesh.server.grpc_reflection | quote }}
+{{- end }}
+
 {{- define "kvmesh.patchesEnv" }}
 - name: __RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR
   value: kvmesh.cluster.ray_patches.setup_worker
