@@ -243,7 +243,8 @@ def _write_prompt_logprobs(llm, prompts: list[list[int]], args) -> None:
 
 def _workload(args):
     """(Workload, whether it is nano-vllm's own) from the command's flags; a ValueError naming the flag."""
-    from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, nano_vllm_workload, shared_prefix_workload
+    from kvmesh.bench.workloads import (NANO_VLLM_OUTPUT_TOKENS, NANO_VLLM_PROMPT_TOKENS, nano_vllm_workload,
+                                        shared_prefix_workload)
 
     if args.num_prompts < 1 or args.min_len < 1 or args.max_input_len < args.min_len:
         raise ValueError("need --num-prompts >= 1 and 1 <= --min-len <= --max-input-len")
@@ -260,9 +261,10 @@ def _workload(args):
         raise ValueError("need --min-len <= --max-output-len")
     workload = nano_vllm_workload(args.num_prompts, args.max_input_len, max_output, args.min_len)
     is_reference = (args.num_prompts, args.max_input_len, max_output, args.min_len) == (256, 1024, 1024, 100)
-    if is_reference and workload.num_output_tokens != NANO_VLLM_OUTPUT_TOKENS:
-        raise RuntimeError(f"workload drifted: {workload.num_output_tokens} output tokens, "
-                           f"nano-vllm's has {NANO_VLLM_OUTPUT_TOKENS}")
+    if is_reference and (workload.num_output_tokens, workload.num_prompt_tokens) != (
+            NANO_VLLM_OUTPUT_TOKENS, NANO_VLLM_PROMPT_TOKENS):
+        raise RuntimeError(f"workload drifted: {workload.num_prompt_tokens} prompt and {workload.num_output_tokens} "
+                           f"output tokens, nano-vllm's has {NANO_VLLM_PROMPT_TOKENS} and {NANO_VLLM_OUTPUT_TOKENS}")
     return workload, is_reference
 
 

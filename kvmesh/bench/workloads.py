@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 
 NANO_VLLM_OUTPUT_TOKENS = 133_966
+NANO_VLLM_PROMPT_TOKENS = 142_827
 
 
 @dataclass

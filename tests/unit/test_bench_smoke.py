@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvmesh.bench.floor import FloorCounter, ModelShape
-from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, nano_vllm_workload
+from kvmesh.bench.workloads import NANO_VLLM_OUTPUT_TOKENS, NANO_VLLM_PROMPT_TOKENS, nano_vllm_workload
 from kvmesh.cli import main
 
 TINY = ["--model", "random:tiny-qwen3", "--device", "cpu"]
@@ -21,6 +21,7 @@ def test_workload_is_nano_vllms():
     workload = nano_vllm_workload()
     assert len(workload.prompts) == 256
     assert workload.num_output_tokens == NANO_VLLM_OUTPUT_TOKENS == 133_966
+    assert workload.num_prompt_tokens == NANO_VLLM_PROMPT_TOKENS == 142_827  # PERF.md's figures
     assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in workload.prompts)
 
 
@@ -36,6 +37,8 @@ def test_offline_smoke(capsys):
     assert r["steps"] >= max(expected.max_tokens)  # one step per output token of the longest request
     assert r["structured_outputs"] == "none" and r["grammar_completed"] == 0
     assert r["preemptions"] == 0
+    assert 0 < r["execute_seconds"] and 0 <= r["host_seconds_outside_execute"]
+    assert r["execute_seconds"] + r["host_seconds_outside_execute"] <= r["seconds"]
 
 
 def test_offline_passes_gpu_memory_utilization_and_counts_preemptions(capsys, monkeypatch):
@@ -104,6 +107,17 @@ def test_floor_counts_weights_once_and_kv_per_sequence():
     kv_per_token = 2 * 2 * 1 * 4 * 2
     assert floor.bytes == shape.weight_bytes + (4 + 8 + 2) * kv_per_token
     assert floor.seconds == pytest.approx(floor.bytes / 1e9)
+
+
+def test_floor_counts_flops_of_the_weights_the_logits_and_causal_attention():
+    shape = ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                       head_dim=4, vocab_size=10, tie_word_embeddings=True)
+    floor = FloorCounter(shape, copy_bytes_per_s=1e18, matmul_flops_per_s=1e9)  # compute-bound
+    floor.add_step(query_lens=[3], seq_lens=[5], num_sampled=1)  # a chunk of 3 after 2 cached tokens
+    # 2 x params per token + the logits of the sampled row + QK^T and PV over 3 + 4 + 5 keys
+    expected = 2 * shape.matmul_params * 3 + 2 * 10 * 8 * 1 + 4 * 2 * 2 * 4 * (3 + 4 + 5)
+    assert floor.flops == expected
+    assert floor.seconds == pytest.approx(expected / 1e9)  # the larger of the two times
 
 
 def test_bench_serve_options_parse_through_the_cli():

@@ -89,6 +89,30 @@ def test_a_custom_routing_state_class_routes_the_trace():
     assert calls[0] is calls[2] and calls[0] is not calls[1]
 
 
+def test_a_requests_end_reaches_the_copy_that_routed_it():
+    # ROUTING.md: the simulated copies hear each end at once, as the ingress tells its own copy
+    copies, ended = [], []
+
+    class Recording(RoutingState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            copies.append(self)
+
+        def finished(self, request_id, computed=True):
+            heard = super().finished(request_id, computed)
+            if heard:
+                ended.append((id(self), request_id))
+            return heard
+
+    config = dataclasses.replace(CONFIG, router_copies=2)
+    workload = make_workload("tenants", 40, seed=3, block_size=B, **SMALL)
+    assign_arrivals(workload, 100.0)
+    simulate(workload, "kv_events", config, routing_state=Recording)
+    assert len(copies) == 2
+    assert sorted(rid for _, rid in ended) == sorted(r.request_id for r in workload.requests)
+    assert all(not copy.finished(r.request_id) for copy in copies for r in workload.requests)  # none left
+
+
 @pytest.mark.parametrize("bad", [dict(router_copies=-1), dict(router_copies=1, report_interval_s=0),
                                  dict(event_delay_s=-0.1)])
 def test_bad_router_copy_settings_are_refused(bad):
