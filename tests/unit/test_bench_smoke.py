@@ -87,6 +87,14 @@ def test_offline_runs_the_transformers_peer_on_the_same_workload(capsys, tmp_pat
     assert peer["num_prompts"] == 3 and peer["output_tok_per_s"] > 0 and peer["kvmesh_speedup"] > 0
 
 
+def test_profile_step_prints_where_one_steps_time_went(capsys):
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "2", "--max-input-len", "16",
+                          "--max-output-len", "6", "--min-len", "4", "--profile-step", "2", "--json"])
+    head, table = r["profile"].split("\n", 1)
+    assert head.startswith("one step: 2 sequences (2 decodes), 2 tokens, context ")  # step 2: both decode
+    assert "aten::" in table and "Self CPU" in table, table[:500]  # the ops, by their own time
+
+
 def test_latency_smoke(capsys):
     r = run_json(capsys, ["bench", "latency", *TINY, "--prompt-len", "32", "--decode-prompt-len", "8",
                           "--output-len", "6", "--repeats", "2", "--json"])

@@ -158,3 +158,21 @@ def test_output_ending_inside_a_character_is_flushed():
         deltas.append(detok.take_delta(final=False))
     tail = detok.take_delta(final=True)
     assert "".join(deltas) == "ok " and tail == TOKENIZER.decode(ids)[3:] and tail
+
+
+@pytest.mark.parametrize("fields,request_has", [
+    ({"top_k": 5}, {}), ({"top_p": 0.9}, {}), ({"min_p": 0.1}, {}), ({"repetition_penalty": 1.1}, {}),
+    ({"presence_penalty": 0.5}, {}), ({"frequency_penalty": 0.5}, {}), ({"logit_bias": {3: 1.0}}, {}),
+    ({"min_tokens": 2}, {}), ({"logprobs": 1}, {}), ({"n": 1, "best_of": 2}, {}),
+    ({"seed": 7}, {"generator": torch.Generator()}), ({}, {"grammar": object()}),
+])
+def test_rows_asking_more_than_a_temperature_keep_the_general_path(fields, request_has):
+    # PERF.md: top-k / top-p / min-p, penalties, biases, a grammar, logprobs or an own seed
+    from types import SimpleNamespace
+
+    from kvmesh.worker.sampler import _temperature_only
+
+    plain = SimpleNamespace(generator=None, grammar=None)
+    assert _temperature_only(SamplingParams(temperature=0.6, max_tokens=8), plain)
+    request = SimpleNamespace(**{**vars(plain), **request_has})
+    assert not _temperature_only(SamplingParams(temperature=0.6, max_tokens=8, **fields), request)

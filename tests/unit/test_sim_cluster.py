@@ -48,6 +48,7 @@ def test_every_request_finishes_with_ordered_timestamps(tenants_report):
 def test_the_report_has_every_metric_and_the_config(tenants_report):
     for metrics in tenants_report["policies"].values():
         assert set(METRICS) <= set(metrics)
+        assert metrics["idle_while_over_cap"] == 0  # ROUTING.md: must be 0
     cfg = tenants_report["config"]
     assert cfg["workers"] == 8 and cfg["workload"] == "tenants" and cfg["load"] == 0.9
     assert cfg["rate_req_s"] == pytest.approx(0.9 * cfg["capacity_req_s"])
