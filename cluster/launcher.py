@@ -110,8 +110,44 @@ def start_ray(cfg: ServeConfig, address: str | None, out=sys.stdout) -> str:
                                                                    else cfg.replicas.num_replicas)) + 2)
         # "local": a Ray of its own, never the one RAY_ADDRESS or a `ray start` on this machine
         # names (ray.init() would join that one, without this job's environment).
-        ray.init(address="local", **kwargs)
+        init_local_ray(kwargs, out)
     return ray.get_runtime_context().gcs_address
+
+
+# Ray waits a fixed 30 s for a new node's raylet to register with its GCS (ray/_private/node.py);
+# on a loaded machine (two clusters starting on 2 cores) that can run out once.
+RAY_NODE_TIMEOUT_TEXT = "timed out during startup"
+RAY_START_ATTEMPTS = 2
+
+
+def init_local_ray(kwargs: dict, out=sys.stdout, attempts: int = RAY_START_ATTEMPTS) -> None:
+    """ray.init(address="local", **kwargs), started again when Ray's node timed out registering.
+    A failed attempt's processes (GCS, raylet, reaper, agents: children of this process that it
+    started; Ray holds no handle on them, its node object never returned) are killed by pid first,
+    whatever the failure, so none outlives a `kvmesh serve` that gives up."""
+    import psutil  # Ray's own dependency (imported with ray)
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as e:
+            # what the failed attempt started outlives this process otherwise
+            stray = [p for p in me.children(recursive=True) if p.pid not in before]
+            for p in stray:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(stray, timeout=10)
+            if RAY_NODE_TIMEOUT_TEXT not in str(e) or attempt == attempts:
+                raise
+            print(f"Ray's node did not register in time ({e.__class__.__name__}: {e}); "
+                  f"stopped its {len(stray)} processes, starting Ray again "
+                  f"(attempt {attempt + 1} of {attempts})", file=out, flush=True)
 
 
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[^:]*: ")

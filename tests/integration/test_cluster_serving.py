@@ -960,7 +960,12 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
                                            extra_body={"ignore_eos": True})
         chunks = iter(stream)
         assert next(chunks).choices[0].text is not None
-        busy = [w for w, n in worker_gauge(cluster, "kvmesh_running_requests").items() if n >= 1]
+        # the gauge is each worker's last published load: wait (bounded) until it shows the stream
+        deadline, busy = time.monotonic() + 30, []
+        while time.monotonic() < deadline and not busy:
+            busy = [w for w, n in worker_gauge(cluster, "kvmesh_running_requests").items() if n >= 1]
+            time.sleep(0.02)
+        assert busy, "no worker reported the running stream within 30 s"
         killer.stdin.write("list\n")
         killer.stdin.flush()
         names = killer.stdout.readline().split()
