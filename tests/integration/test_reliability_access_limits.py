@@ -309,8 +309,10 @@ def test_an_overload_burst_gets_429_and_every_accepted_request_completes(cluster
     # the first burst warms caches; later ones must not keep growing the ingress
     assert sizes[2] - sizes[0] < 40, sizes
     # the pool was too small for what was admitted: the worker preempted (and recomputed)
-    preemptions = per_worker(metrics(cluster.http_url, auth(CLI_KEY)), "kvmesh_worker_preemptions")
-    assert sum(preemptions.values()) >= 1, preemptions
+    # (a worker's counters reach /metrics with its next load report: wait for it, bounded)
+    wait_until(lambda: sum(per_worker(metrics(cluster.http_url, auth(CLI_KEY)),
+                                      "kvmesh_worker_preemptions").values()) >= 1, 15,
+               what="a preemption counted")
     # every KV block is free again (nothing leaked by preemption)
     wait_until(lambda: per_worker(metrics(cluster.http_url, auth(CLI_KEY)),
                                   "kvmesh_kv_free_blocks") == free_idle, 15,

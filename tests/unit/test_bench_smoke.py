@@ -85,6 +85,23 @@ def test_offline_runs_the_transformers_peer_on_the_same_workload(capsys, tmp_pat
     each = peer["max_tokens_each"]  # generate_batch takes one max_new_tokens: the workload's mean
     assert each == round(expected.num_output_tokens / 3) and peer["output_tokens"] == 3 * each
     assert peer["num_prompts"] == 3 and peer["output_tok_per_s"] > 0 and peer["kvmesh_speedup"] > 0
+    assert peer["floor_ratio"] == pytest.approx(r["floor_seconds"] / peer["seconds"])  # same workload
+
+
+def test_peer_num_prompts_runs_the_transformers_peer_on_the_workloads_first_prompts(capsys, tmp_path, monkeypatch):
+    """PERF.md's `--peer transformers --peer-num-prompts 64`: the peer runs the first N prompts,
+    kvmesh all of them, and the speedup compares their throughputs."""
+    monkeypatch.setenv("KVMESH_PEER_MODEL_DIR", str(tmp_path / "peer"))
+    r = run_json(capsys, ["bench", "offline", *TINY, "--num-prompts", "4", "--max-input-len", "24",
+                          "--max-output-len", "12", "--min-len", "4", "--peer", "transformers",
+                          "--peer-num-prompts", "2", "--json"])
+    peer = r["peers"]["transformers"]
+    assert "error" not in peer, peer.get("error")
+    expected = nano_vllm_workload(4, 24, 12, 4)
+    assert peer["num_prompts"] == 2 and r["num_prompts"] == 4
+    assert peer["max_tokens_each"] == round(sum(expected.max_tokens[:2]) / 2)
+    assert peer["kvmesh_speedup"] == pytest.approx(r["output_tok_per_s"] / peer["output_tok_per_s"])
+    assert "floor_ratio" not in peer  # the floor is the whole workload's: no ratio for a subset
 
 
 def test_profile_step_prints_where_one_steps_time_went(capsys):
