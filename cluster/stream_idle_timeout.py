@@ -24,8 +24,8 @@ what gRPC holds beyond it). A call whose one message has waited `timeout_s` to b
 ingress call cancelled (serve_grpc_cancel.cancel_replica_call), so the engine aborts the request as
 for a client's cancel and nothing more is produced for it. Unlike HTTP, the stream itself is not
 reset: gRPC's asyncio server has no way to cancel one call, and a status cannot overtake the data
-queued before it. What gRPC had accepted stays queued for the client, which gets it, then an error
-status, if it reads again; it is freed when the client reads, closes or its deadline passes. A
+queued before it. What gRPC had accepted stays queued for the client, which gets it, then the
+status CANCELLED naming the setting, if it reads again; it is freed when the client reads, closes or its deadline passes. A
 stream small enough to fit in gRPC's buffers never waits, so it is never cut: it was all written.
 
 `apply()` (listed in ray_patches.PATCHES) adds the middleware where Serve's proxy assembles its
@@ -129,24 +129,44 @@ def unsent_bytes(transport: asyncio.Transport) -> int:
     return total
 
 
+def grpc_timeout_details(timeout_s: float) -> str:
+    return (f"the client read nothing for {timeout_s:g} s (server.stream_idle_timeout_s): "
+            "its request was aborted")
+
+
 def with_write_deadline(handler, timeout_s: float, on_timeout):
     """A streaming gRPC handler (an async generator function of (request, context)) that calls
-    `on_timeout(context)` when one of its messages has waited `timeout_s` to be written."""
+    `on_timeout(context)` when one of its messages has waited `timeout_s` to be written. Such a
+    call ends with status CANCELLED naming the setting, whatever status or error the handler
+    ended with after it (Serve's proxy answers its cancelled replica call with INTERNAL "Request
+    ... was cancelled."): the client did nothing wrong but stop reading."""
 
     async def streaming(request, context):
+        import grpc
+
         loop = asyncio.get_running_loop()
+        fired = False
 
         def timed_out():
+            nonlocal fired
+            fired = True
             logger.warning("kvmesh: a gRPC stream's client read nothing for %.1f s; aborting its "
                            "request", timeout_s)
             on_timeout(context)
 
-        async for message in handler(request, context):
-            timer = loop.call_later(timeout_s, timed_out)
-            try:
-                yield message  # gRPC writes it while this generator waits here
-            finally:
-                timer.cancel()
+        try:
+            async for message in handler(request, context):
+                timer = loop.call_later(timeout_s, timed_out)
+                try:
+                    yield message  # gRPC writes it while this generator waits here
+                finally:
+                    timer.cancel()
+        except Exception:
+            if not fired:
+                raise
+        if fired:
+            context.set_code(grpc.StatusCode.CANCELLED)
+            context.set_details(grpc_timeout_details(timeout_s))
 
     return streaming
 

@@ -9,7 +9,9 @@ sockets on 127.0.0.1 to Serve's HTTP proxy and to the ingress's direct port:
   engine is idle within the idle timeout of the close (the direct port, before SseResponse, went on
   generating for 36 s);
 - a client that reads one 16 KiB chunk a second, far behind what the worker writes, is not cut and
-  gets every token, on both.
+  gets every token, on both;
+- a gRPC stream whose client reads one message and then nothing (a small HTTP/2 window) is
+  cancelled on the engine after the timeout, and the client gets CANCELLED when it reads on.
 
 The clients advertise an Ethernet MSS and ask for 20 top logprobs a token, so that this tiny model's
 output outgrows the socket buffers in seconds (reliability_support.open_raw_stream).
@@ -107,6 +109,66 @@ def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster, pat
     finally:
         for s in sockets:
             s.close()
+
+
+# A gRPC client that advertises a small HTTP/2 window and no window growth (BDP probing off): the
+# proxy's writes to it wait after ~16 KiB plus what gRPC queues (measured on grpc.aio alone: 236
+# messages of 100 bytes), instead of the ~6 MiB gRPC's default window grows to on loopback, which
+# the tiny model's whole stream fits in (docs/RELIABILITY.md "Backpressure").
+SMALL_WINDOW_OPTIONS = [("grpc.http2.lookahead_bytes", 16384), ("grpc.http2.bdp_probe", 0)]
+
+
+NUM_GRPC_UNREAD = 16  # sharing the CPU engine, so that none could finish within the timeout
+
+
+def test_grpc_streams_nobody_reads_are_cancelled_on_the_engine(cluster):
+    """RELIABILITY.md: when one write of Serve's gRPC proxy has waited stream_idle_timeout_s, it
+    cancels the stream's ingress call and the engine aborts the request; the client that reads
+    again gets what was queued and then CANCELLED."""
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
+    tokens_before = worker_row(cluster)["tokens_out"]
+    channels, streams, received = [], [], []
+    try:
+        for i in range(NUM_GRPC_UNREAD):
+            channels.append(grpc.insecure_channel(cluster.grpc_target, options=SMALL_WINDOW_OPTIONS))
+            # a long label rides on every message: the window fills after a few dozen tokens
+            request = pb.GenerateRequest(prompt=f"stream {i} nobody reads", max_tokens=UNREAD_MAX_TOKENS,
+                                         temperature=0, ignore_eos=True, request_id=f"unread-{i}-" + "x" * 240)
+            streams.append(pb_grpc.GenerationStub(channels[-1]).Generate(request, timeout=IDLE_TIMEOUT_S + 150))
+        for stream in streams:
+            first = next(stream)
+            assert first.token_ids and not first.finish_reason
+            received.append(len(first.token_ids))
+        opened = time.monotonic()
+        # the clients hold their calls open and read nothing: only the server can end the requests
+        wait_until(lambda: idle(worker_row(cluster)), IDLE_TIMEOUT_S + 120, interval_s=0.5,
+                   what="every unread gRPC stream aborted on the engine")
+        aborted_after_s = time.monotonic() - opened
+        generated = worker_row(cluster)["tokens_out"] - tokens_before
+        finish_reasons, statuses = [], []
+        for i, stream in enumerate(streams):
+            try:
+                for message in stream:
+                    received[i] += len(message.token_ids)
+                    finish_reasons += [message.finish_reason] if message.finish_reason else []
+                statuses.append(None)
+            except grpc.RpcError as e:
+                statuses.append((e.code(), e.details()))
+    finally:
+        for channel in channels:
+            channel.close()
+    print(f"grpc: {NUM_GRPC_UNREAD} unread streams idle on the engine {aborted_after_s:.1f} s after "
+          f"the last first message; {generated} of {NUM_GRPC_UNREAD * UNREAD_MAX_TOKENS} tokens generated, "
+          f"{sum(received)} received; finish {finish_reasons}; statuses {sorted(set(map(str, statuses)))}")
+    assert finish_reasons == []  # never an ordinary end
+    assert all(s is not None and s[0] == grpc.StatusCode.CANCELLED for s in statuses), statuses
+    assert all("server.stream_idle_timeout_s" in s[1] for s in statuses), statuses  # names the setting
+    assert sum(received) <= generated < NUM_GRPC_UNREAD * UNREAD_MAX_TOKENS // 2, (received, generated)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from kvmesh.cluster.local import free_port
-from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout, with_write_deadline
+from kvmesh.cluster.stream_idle_timeout import StreamIdleTimeout, grpc_timeout_details, with_write_deadline
 
 TIMEOUT_S = 0.5
 CHUNK = b"x" * 1023 + b"\n"
@@ -225,18 +225,21 @@ class StreamingServicer:
     with_write_deadline. Its timeout stops it as Serve's proxy stops when its replica call is
     cancelled: no more messages, then an error status."""
 
-    def __init__(self):
+    def __init__(self, after_timeout: str = "status"):
         self.timeouts = 0
         self.messages_yielded = 0
+        self.after_timeout = after_timeout  # "status": ends with INTERNAL; "raise": raises
 
     def on_timeout(self, context):
         self.timeouts += 1
 
     async def numbers(self, request, context):
         for _ in range(GRPC_NUM_MESSAGES):
-            if self.timeouts:
-                context.set_code(grpc.StatusCode.CANCELLED)
-                context.set_details("the client read nothing")
+            if self.timeouts and self.after_timeout == "raise":
+                raise RuntimeError("the replica call was cancelled")
+            if self.timeouts:  # what Serve's proxy answers when its replica call was cancelled
+                context.set_code(grpc.StatusCode.INTERNAL)
+                context.set_details("Request 0123 was cancelled.")
                 return
             self.messages_yielded += 1
             yield GRPC_MESSAGE
@@ -260,9 +263,10 @@ async def grpc_stream(servicer: StreamingServicer, timeout_s: float):
         await server.stop(None)
 
 
-def test_a_grpc_client_that_reads_nothing_times_out_and_then_gets_what_was_queued_and_an_error():
+@pytest.mark.parametrize("after_timeout", ["status", "raise"])
+def test_a_grpc_client_that_reads_nothing_times_out_and_then_gets_what_was_queued_and_cancelled(after_timeout):
     async def main():
-        servicer = StreamingServicer()
+        servicer = StreamingServicer(after_timeout)
         async with grpc_stream(servicer, timeout_s=60) as call:
             await call.read()  # one message, then nothing
             started = time.monotonic()
@@ -274,7 +278,10 @@ def test_a_grpc_client_that_reads_nothing_times_out_and_then_gets_what_was_queue
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 while await call.read() is not grpc.aio.EOF:
                     received += 1
+            # CANCELLED naming the setting, not the handler's INTERNAL
             assert e.value.code() == grpc.StatusCode.CANCELLED
+            assert e.value.details() == grpc_timeout_details(GRPC_TIMEOUT_S)
+            assert "server.stream_idle_timeout_s" in e.value.details()
             assert received == servicer.messages_yielded < GRPC_NUM_MESSAGES
             assert servicer.timeouts == 1
     asyncio.run(main())
