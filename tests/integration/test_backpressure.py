@@ -11,7 +11,8 @@ sockets on 127.0.0.1 to Serve's HTTP proxy and to the ingress's direct port:
 - a client that reads one 16 KiB chunk a second, far behind what the worker writes, is not cut and
   gets every token, on both;
 - a gRPC stream whose client reads one message and then nothing (a small HTTP/2 window) is
-  cancelled on the engine after the timeout, and the client gets CANCELLED when it reads on.
+  cancelled on the engine after the timeout, and the client gets CANCELLED when it reads on; one
+  whose client reads slowly, the whole stream queued for it longer than the timeout, is not cut.
 
 The clients advertise an Ethernet MSS and ask for 20 top logprobs a token, so that this tiny model's
 output outgrows the socket buffers in seconds (reliability_support.open_raw_stream).
@@ -169,6 +170,31 @@ def test_grpc_streams_nobody_reads_are_cancelled_on_the_engine(cluster):
     assert all(s is not None and s[0] == grpc.StatusCode.CANCELLED for s in statuses), statuses
     assert all("server.stream_idle_timeout_s" in s[1] for s in statuses), statuses  # names the setting
     assert sum(received) <= generated < NUM_GRPC_UNREAD * UNREAD_MAX_TOKENS // 2, (received, generated)
+
+
+def test_a_slow_grpc_reader_is_not_cut_and_gets_every_message(cluster):
+    """RELIABILITY.md: the gRPC bound is on one write's wait, so a client that reads, far behind
+    the worker (the whole stream queued for it longer than the timeout), is not cut."""
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    wait_until(lambda: idle(worker_row(cluster)), 60, what="an idle worker")
+    request = pb.GenerateRequest(prompt="a slow gRPC reader", max_tokens=SLOW_MAX_TOKENS, temperature=0,
+                                 ignore_eos=True, request_id="slow-" + "x" * 240)
+    received, finish_reasons, engine_done_at = 0, [], None
+    with grpc.insecure_channel(cluster.grpc_target, options=SMALL_WINDOW_OPTIONS) as channel:
+        for message in pb_grpc.GenerationStub(channel).Generate(request, timeout=300):
+            received += len(message.token_ids)
+            finish_reasons += [message.finish_reason] if message.finish_reason else []
+            if engine_done_at is None and idle(worker_row(cluster)):
+                engine_done_at = time.monotonic()
+            time.sleep(0.03)  # ~33 messages a second: far behind the worker
+        done_at = time.monotonic()  # the call ended OK (an error status raises)
+    assert received == SLOW_MAX_TOKENS and finish_reasons == ["length"]
+    # the reader was behind by more than a whole idle timeout: the proxy's writes waited on it
+    assert engine_done_at is not None and done_at - engine_done_at > IDLE_TIMEOUT_S
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -979,3 +979,52 @@ def test_killing_a_replica_during_a_load_loses_no_request(cluster):
     finally:
         killer.kill()
         killer.wait(10)
+
+
+def test_a_grpc_stream_whose_worker_dies_ends_with_an_error_message(cluster):
+    """SERVING.md's faults over gRPC: a stream that already sent tokens when its worker dies gets a
+    last message with finish_reason "error" (and the error), and the call ends OK (through Serve's
+    gRPC proxy: not a status it rewrote), instead of hanging."""
+    import subprocess
+    import sys
+
+    killer = subprocess.Popen([sys.executable, "-c", KILLER, cluster.ray_address], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=loopback_ray_env())
+    try:
+        # the previous test killed workers: wait for Serve's replacements, as actors and reporting
+        names, deadline = killer.stdout.readline().split(), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            reporting = worker_gauge(cluster, "kvmesh_running_requests")
+            if len(names) == 2 and all(any(n.endswith("#" + w) for w in reporting) for n in names):
+                break
+            time.sleep(0.5)
+            killer.stdin.write("list\n")
+            killer.stdin.flush()
+            names = killer.stdout.readline().split()
+        assert len(names) == 2, names
+        stream = grpc_stream(cluster.grpc_target, prompt="stream over gRPC until the worker dies",
+                             max_tokens=1900, temperature=0, ignore_eos=True, timeout_s=120)
+        first = next(stream)
+        assert first.token_ids and not first.finish_reason
+        deadline, busy = time.monotonic() + 30, []
+        while time.monotonic() < deadline and not busy:  # the worker's published load shows it
+            busy = [w for w, n in worker_gauge(cluster, "kvmesh_running_requests").items() if n >= 1]
+            time.sleep(0.02)
+        assert busy, "no worker reported the running stream within 30 s"
+        killer.stdin.write("list\n")
+        killer.stdin.flush()
+        victim = next(name for name in killer.stdout.readline().split() if name.endswith("#" + busy[0]))
+        killer.stdin.write(victim + "\n")
+        killer.stdin.flush()
+        assert killer.stdout.readline().strip() == "killed"
+        try:
+            rest = list(stream)  # ends with the call's status OK, else raises
+        except grpc.RpcError as e:
+            pytest.fail(f"the call ended {e.code()}: {e.details()}")
+        last = rest[-1]
+        assert last.finish_reason == "error" and last.error, last
+        assert all(not m.finish_reason for m in rest[:-1])
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) < 1900
+    finally:
+        killer.kill()
+        killer.wait(10)

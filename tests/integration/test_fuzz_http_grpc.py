@@ -223,7 +223,11 @@ def test_json_nested_too_deep_is_a_400_saying_the_body_is_not_json(cluster):
 
 grpc_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)  # protobuf strings are UTF-8
 GRPC_FIELDS = ("prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p",
-               "top_k", "min_p", "seed", "stop", "logprobs", "model", "request_id")
+               "top_k", "min_p", "seed", "stop", "logprobs", "model", "request_id", "n", "best_of",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+               "stop_token_ids", "logit_bias", "prompt_logprobs", "echo", "tool_choice")
+grpc_float = st.floats(width=32, allow_nan=True, allow_infinity=True)
+grpc_token_id = st.integers(0, 2**32 - 1) | st.integers(0, 520)
 
 grpc_request = st.fixed_dictionaries({}, optional={
     "model": st.just(MODEL) | grpc_text,
@@ -243,6 +247,21 @@ grpc_request = st.fixed_dictionaries({}, optional={
     "request_id": grpc_text,
     "session_id": grpc_text,
     "ignore_eos": st.booleans(),
+    # beyond sampling's basics (SERVING.md's gRPC fields), at their wire types' extremes too
+    "n": st.integers(0, 2**32 - 1) | st.integers(0, 3),
+    "best_of": st.integers(0, 2**32 - 1) | st.integers(0, 3),
+    "presence_penalty": grpc_float,
+    "frequency_penalty": grpc_float,
+    "repetition_penalty": grpc_float,
+    "min_tokens": st.integers(0, 2**32 - 1) | st.integers(0, MAX_OUTPUT + 2),
+    "stop_token_ids": st.lists(grpc_token_id, max_size=5),
+    "include_stop_str_in_output": st.booleans(),
+    "logit_bias": st.dictionaries(grpc_token_id, grpc_float, max_size=4),
+    "skip_special_tokens": st.booleans(),
+    "echo": st.booleans(),
+    "prompt_logprobs": st.integers(0, 2**32 - 1) | st.integers(0, 25),
+    "tool_choice": grpc_text | st.sampled_from(["none", "auto", "required"]),
+    "parallel_tool_calls": st.booleans(),
 })
 
 

@@ -286,8 +286,9 @@ def test_metrics_and_worker_status_answer_while_the_kv_event_hub_does_not(cluste
     """docs/METRICS.md "When the KV event hub does not answer": a stopped hub (SIGSTOP: it never
     answers, as one that is stuck) costs a scrape at most the bound and leaves the ingress's own
     request metrics in it, without worker series, with kvmesh_kv_event_hub_up 0;
-    /v1/kvmesh/workers answers a 503 naming the hub. Killed then (Ray restarts it), the hub
-    answers again and so do the worker gauges."""
+    /v1/kvmesh/workers answers a 503 naming the hub; SERVING.md: gRPC Health says NOT_SERVING
+    (kvmesh's own Health: healthy false) within the same bound. Killed then (Ray restarts it), the
+    hub answers again and so do the worker gauges and the health answers."""
     from kvmesh.cluster.status import HUB_TIMEOUT_S
 
     status, _, _ = http(cluster.http_url + "/v1/completions",
@@ -305,6 +306,9 @@ def test_metrics_and_worker_status_answer_while_the_kv_event_hub_does_not(cluste
         took = time.monotonic() - started
         status, body, _ = http(cluster.http_url + "/v1/kvmesh/workers", timeout=30)
         health_status, health, _ = http(cluster.http_url + "/health", timeout=30)
+        started = time.monotonic()  # over Serve's gRPC proxy: the standard service, kvmesh's own
+        grpc_check, grpc_health = grpc_health_answers(cluster)
+        grpc_took = time.monotonic() - started
     finally:
         hub.send_signal(signal.SIGKILL)  # stopped, then killed: Ray starts it again
     print(f"scrape while the hub was stopped: {took:.2f} s")
@@ -317,6 +321,8 @@ def test_metrics_and_worker_status_answer_while_the_kv_event_hub_does_not(cluste
     assert body["error"]["code"] == "kv_event_hub_unavailable"
     assert "the KV event hub (Ray actor kvmesh-kv-events-" in body["error"]["message"]
     assert (health_status, health) == (503, {"status": "kv_event_hub_unavailable", "workers": 0})
+    assert grpc_check == "NOT_SERVING" and grpc_health == (False, 0), (grpc_check, grpc_health)
+    assert grpc_took < 2 * (HUB_TIMEOUT_S + 3), grpc_took  # two calls, each within the bound
     # the restarted hub answers, and hears from both workers again
     back = wait_until(lambda: (lambda m: m if m.get("kvmesh_kv_event_hub_up") == 1
                                and len(per_worker(m, "kvmesh_kv_free_blocks")) == 2 else None)(
@@ -325,6 +331,22 @@ def test_metrics_and_worker_status_answer_while_the_kv_event_hub_does_not(cluste
     status, body, _ = http(cluster.http_url + "/v1/kvmesh/workers", timeout=30)
     assert status == 200 and len(body["workers"]) == 2, (status, body)
     assert http(cluster.http_url + "/health", timeout=30)[:2] == (200, {"status": "ok", "workers": 2})
+    assert grpc_health_answers(cluster) == ("SERVING", (True, 2))
+
+
+def grpc_health_answers(cluster) -> tuple[str, tuple[bool, int]]:
+    """grpc.health.v1 Check's status for kvmesh.v1.Generation, and kvmesh's own Health
+    (healthy, num_workers), over Serve's gRPC proxy."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvmesh.cluster.client import grpc_call
+
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="kvmesh.v1.Generation"), timeout=30)
+    own = grpc_call(cluster.grpc_target, "Health", timeout_s=30)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(check.status), (own.healthy, own.num_workers)
 
 
 # ---- kill a worker's engine process -----------------------------------------------------------------
