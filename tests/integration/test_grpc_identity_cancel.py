@@ -9,7 +9,9 @@ over gRPC and HTTP on 127.0.0.1:
   running count back to 0 within seconds, fewer tokens generated than max_tokens, its KV blocks
   free at the end), as an HTTP disconnect does, in every trial. The test prints the abort latencies
   it saw (time from the cancel to the worker's load report without the request):
-  docs/RELIABILITY.md quotes them.
+  docs/RELIABILITY.md quotes them;
+- with `server.auth_health: true`, /health, kvmesh's gRPC Health and grpc.health.v1's Check and
+  Watch need a key too.
 """
 
 import concurrent.futures as cf
@@ -40,8 +42,9 @@ SHORT = 24
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # a slow start on a busy 2-core machine is not this test's subject
-    with config_cluster(tmp_path_factory, cpu_config(), ["--api-key", KEY_A, "--api-key", KEY_B],
-                        start_timeout_s=400) as c:
+    # auth_health: the health answers need a key too (test at the end)
+    with config_cluster(tmp_path_factory, cpu_config(server={"auth_health": True}),
+                        ["--api-key", KEY_A, "--api-key", KEY_B], start_timeout_s=400) as c:
         yield c
 
 
@@ -216,3 +219,37 @@ def test_http_disconnect_grpc_cancel_and_grpc_deadline_stop_the_engine(cluster):
     # Every HTTP disconnect, gRPC cancel and gRPC deadline reaches the engine.
     assert lost == [], lost
     wait_until(lambda: free_blocks(cluster) == idle, 60, what=f"free KV blocks back to {idle}")
+
+
+# ---- health behind the key -----------------------------------------------------------------------
+
+def test_with_auth_health_every_health_answer_needs_a_key(cluster):
+    """RELIABILITY.md: /health and gRPC Health stay open unless server.auth_health: true. With
+    it, over Serve's proxies: /health 401, kvmesh's Health and grpc.health.v1 Check and Watch
+    UNAUTHENTICATED without a key or with a wrong one; with a key they answer."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def grpc_health(key):
+        metadata = (("authorization", f"Bearer {key}"),) if key else None
+        with grpc.insecure_channel(cluster.grpc_target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="kvmesh.v1.Generation")
+            answers = {}
+            for name, call in (("Health", lambda: grpc_call(cluster.grpc_target, "Health", api_key=key)),
+                               ("Check", lambda: stub.Check(request, timeout=30, metadata=metadata)),
+                               ("Watch", lambda: next(stub.Watch(request, timeout=30, metadata=metadata)))):
+                try:
+                    answers[name] = call()
+                except grpc.RpcError as e:
+                    answers[name] = e.code()
+            return answers
+
+    for key in (None, "sk-wrong"):
+        assert http(cluster.http_url + "/health", headers=auth(key) if key else {})[0] == 401, key
+        answers = grpc_health(key)
+        assert answers == {name: grpc.StatusCode.UNAUTHENTICATED for name in answers}, (key, answers)
+    assert http(cluster.http_url + "/health", headers=auth(KEY_B))[:2] == (200, {"status": "ok", "workers": 1})
+    answers = grpc_health(KEY_A)
+    assert answers["Health"].healthy and answers["Health"].num_workers == 1, answers
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert answers["Check"].status == serving and answers["Watch"].status == serving, answers

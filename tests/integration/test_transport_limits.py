@@ -151,6 +151,27 @@ def test_a_message_over_the_limit_gets_resource_exhausted_without_growing_the_se
     assert after - before < 50
 
 
+def test_a_message_just_under_the_limit_reaches_the_ingress(cluster):
+    """RELIABILITY.md: a message the proxy accepts also reaches the ingress replica, re-wrapped
+    (Serve's proxy-to-replica limit is the proxy's plus 1 MiB), and is decoded before the key is
+    checked: without a key UNAUTHENTICATED, with it the ingress's own answer (here the prompt's
+    character limit), never RESOURCE_EXHAUSTED from the hop between them."""
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    def message(size: int) -> bytes:
+        chars = size - len(pb.GenerateRequest(model=MODEL, prompt="a").SerializeToString()) - 4
+        payload = pb.GenerateRequest(model=MODEL, prompt="a" * chars).SerializeToString()
+        assert size - 8 <= len(payload) <= size, len(payload)
+        return payload
+
+    just_under = message(MAX_GRPC_BYTES)
+    error = _raw_generate(cluster, just_under, key=None)
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
+    error = _raw_generate(cluster, just_under)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "prompt" in error.details() and "characters" in error.details(), error.details()
+
+
 def test_reflection_is_off_by_default(cluster):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
