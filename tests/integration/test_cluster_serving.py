@@ -17,6 +17,7 @@ import pytest
 from kvmesh.bench.soak import scrape
 from kvmesh.cluster.client import grpc_call, grpc_stream
 from kvmesh.cluster.local import LocalCluster, loopback_ray_env
+from kvmesh.proto import kvmesh_pb2 as pb
 from reliability_support import per_worker
 
 pytestmark = pytest.mark.slow
@@ -358,6 +359,30 @@ def test_each_api_field_is_honoured_or_refused_by_name(cluster, offline_llm, row
         assert served == offline_outcome(offline_llm, kind, with_field)
     else:
         walk.check_for(row.field, kind)(url, kind, row)
+
+
+def _grpc_value(field, value):
+    return {int(k): float(v) for k, v in value.items()} if field == "logit_bias" else value
+
+
+GRPC_SAMPLING = [row for row in ROWS if row.outcome == "sampling" and "completion" in row.kinds
+                 and row.field in pb.GenerateRequest.DESCRIPTOR.fields_by_name]
+
+
+@pytest.mark.parametrize("row", GRPC_SAMPLING, ids=[row.field for row in GRPC_SAMPLING])
+def test_each_grpc_sampling_field_answers_as_http_does(cluster, row):
+    """SERVING.md: gRPC takes the sampling fields HTTP takes, with the same effect: the same
+    request (prompt token ids, greedy unless the row says otherwise) over gRPC and over HTTP's
+    /v1/completions gives the same text, finish_reason and stop_reason."""
+    fields = {**row.base, row.field: row.value}
+    request = walk.body("completion", **fields)
+    http_outcome = walk.outcome(walk.answer(cluster.http_url, "completion", **fields), "completion")
+    grpc_fields = {k: _grpc_value(k, v) for k, v in request.items() if k not in ("model", "prompt")}
+    responses = list(grpc_stream(cluster.grpc_target, prompt_token_ids=request["prompt"], **grpc_fields))
+    last = responses[-1]
+    stop_reason = getattr(last, last.WhichOneof("stop_reason")) if last.WhichOneof("stop_reason") else None
+    grpc_outcome = ("".join(r.text for r in responses), last.finish_reason, stop_reason)
+    assert grpc_outcome == http_outcome, (fields, grpc_outcome, http_outcome)
 
 
 def test_unknown_fields_are_refused_by_name_through_the_openai_client(openai_client):

@@ -399,6 +399,62 @@ def test_grpc_echo_returns_the_prompt_and_its_logprobs(cluster):
     assert not any(m.prompt_text for m in out[1:])
 
 
+def test_grpc_json_object_and_grammar_answer_as_http_does(cluster, openai_client):
+    """SERVING.md: structured_outputs json_object and grammar over gRPC: the same constrained
+    answer as the HTTP request (greedy)."""
+    from kvmesh.cluster.client import grpc_stream
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    ask = [{"role": "user", "content": "Answer in JSON: what is the capital of France?"}]
+    grammar = 'root ::= city "."\ncity ::= "Paris" | "Rome" | "Oslo"'
+    for spec, http_spec, max_tokens in (({"json_object": True}, {"json_object": True}, 60),
+                                        ({"grammar": grammar}, {"grammar": grammar}, 10)):
+        out = list(grpc_stream(cluster.grpc_target, messages=ask, max_tokens=max_tokens, temperature=0,
+                               structured_outputs=pb.StructuredOutputs(**spec)))
+        text = "".join(m.text for m in out)
+        r = openai_client.chat.completions.create(model=MODEL, messages=ask, max_tokens=max_tokens,
+                                                  temperature=0, extra_body={"structured_outputs": http_spec})
+        assert text == r.choices[0].message.content, spec
+        assert out[-1].finish_reason == r.choices[0].finish_reason == "stop", spec
+        if "json_object" in spec:
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text in ("Paris.", "Rome.", "Oslo.")
+
+
+def test_grpc_tool_choice_required_gives_the_call_http_gives(cluster, openai_client):
+    from kvmesh.cluster.client import grpc_stream
+
+    out = list(grpc_stream(cluster.grpc_target, messages=ASK_WEATHER, max_tokens=80, temperature=0,
+                           tools=[_grpc_tool(WEATHER), _grpc_tool(TIME)], tool_choice="required",
+                           parallel_tool_calls=False))
+    calls = _grpc_calls(out)
+    whole = openai_client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, max_tokens=80, temperature=0, tools=[WEATHER, TIME],
+        tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls
+    assert out[-1].finish_reason == "tool_calls" and len(calls) == len(whole) == 1
+    assert calls[0]["name"] == whole[0].function.name
+    assert json.loads(calls[0]["arguments"]) == json.loads(whole[0].function.arguments)
+
+
+def test_grpc_prompt_logprobs_without_echo(cluster):
+    """SERVING.md: prompt_logprobs alone (no echo): on the first message with a token, one entry
+    per prompt token (the first without a logprob), each with its rank and at most the asked
+    alternatives; no prompt text."""
+    from kvmesh.cluster.client import grpc_stream
+
+    prompt_ids = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+    out = list(grpc_stream(cluster.grpc_target, prompt_token_ids=prompt_ids, max_tokens=3,
+                           temperature=0, prompt_logprobs=3))
+    carrying = [i for i, m in enumerate(out) if m.prompt_logprobs]
+    assert carrying == [next(i for i, m in enumerate(out) if m.token_ids)]
+    scored = list(out[carrying[0]].prompt_logprobs)
+    assert len(scored) == len(prompt_ids)
+    assert not scored[0].HasField("logprob") and all(e.HasField("logprob") for e in scored[1:])
+    assert all(e.rank >= 1 and 1 <= len(e.top) <= 3 for e in scored[1:])
+    assert not any(m.prompt_text or m.prompt_token_ids for m in out)
+
+
 # ---- docs/SERVING.md "Structured outputs and tool calls" (the rest: tests/unit/test_doc_claims_serving_ops.py)
 
 def test_an_ebnf_grammar_as_xgrammar_reads_it_constrains_the_answer(openai_client):
