@@ -123,7 +123,7 @@ def _response(delta: TokenDelta, label: str, stream: DeltaStream) -> pb.Generate
     out = pb.GenerateResponse(request_id=label, token_ids=delta.token_ids, text=delta.text,
                               finish_reason=delta.finish_reason or "",
                               logprobs=delta.logprobs or [], error=delta.error or "",
-                              index=delta.index)
+                              index=delta.index, worker_id=delta.worker_id)
     if isinstance(delta.stop_reason, str):
         out.stop_string = delta.stop_reason
     elif isinstance(delta.stop_reason, int):

@@ -101,6 +101,7 @@ class KVWorker:
                 delta = coalesce(await stream.get(), stream) if single else await stream.get()
                 while single and sent_first and not delta.finished and len(delta.token_ids) < interval:
                     delta = coalesce(delta.followed_by(await stream.get()), stream)
+                delta.worker_id = self.worker_id  # gRPC's GenerateResponse.worker_id
                 if delta.retryable:
                     if delta.token_ids:  # tokens made before the engine died still reach the client
                         yield dataclasses.replace(delta, finish_reason=None, error=None, retryable=False)

@@ -161,6 +161,7 @@ class TokenDelta:
     # With logprobs / prompt_logprobs: the text of every token id those name (the engine process
     # decodes; the ingress looks them up)
     token_texts: dict[int, str] | None = None
+    worker_id: str = ""  # the worker replica that made these tokens ("": a delta the ingress made)
 
     @property
     def finished(self) -> bool:
@@ -186,7 +187,7 @@ class TokenDelta:
             later.stop_reason,
             self.scheduled_time if self.scheduled_time is not None else later.scheduled_time,
             _joined(self.token_times, later.token_times),
-            _merged_texts(self.token_texts, later.token_texts))
+            _merged_texts(self.token_texts, later.token_texts), later.worker_id or self.worker_id)
 
 
 def _merged_texts(a: dict | None, b: dict | None) -> dict | None:

@@ -193,3 +193,96 @@ def test_a_scrape_through_either_ingress_replica_shows_the_cluster_s_request_tot
         if streak == 6:  # three scrapes through each way in a row
             break
         assert at - sent < 10, (expected, seen)
+
+
+# ---- gRPC over two ingress replicas -----------------------------------------------------------------
+
+LONG = 1800  # tokens: seconds of decoding on the CPU, so a stream is surely still running
+
+
+def workers(cluster) -> list[dict]:
+    with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=30) as resp:
+        return json.load(resp)["workers"]
+
+
+def wait_idle(cluster, timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if all(w["running"] == 0 and w["waiting"] == 0 for w in workers(cluster)):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    raise AssertionError(f"workers still busy after {timeout_s} s: {workers(cluster)}")
+
+
+def test_cancelling_or_a_deadline_stops_grpc_streams_on_either_ingress_replica(cluster):
+    """SERVING.md: with several ingress replicas, cancelling the call always works (Abort may not
+    find a label held by another replica); a deadline too. Three rounds of two streams (what the
+    workers' limits admit at once; Serve's proxy spreads them over both replicas), cancelled after
+    their first message: the workers are idle within seconds and far fewer tokens were made than
+    asked; then one whose deadline passes."""
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    served_by, idle_after = set(), []
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for round in range(3):
+            wait_idle(cluster, 60)
+            before = sum(w["tokens_out"] for w in workers(cluster))
+            calls = [stub.Generate(pb.GenerateRequest(prompt=f"cancel me {round} {i}", max_tokens=LONG,
+                                                      temperature=0, ignore_eos=True), timeout=120)
+                     for i in range(2)]
+            served_by |= {next(call).worker_id for call in calls}
+            for call in calls:
+                call.cancel()
+            idle_after.append(wait_idle(cluster, 15))
+            made = sum(w["tokens_out"] for w in workers(cluster)) - before
+            assert all(call.code() == grpc.StatusCode.CANCELLED for call in calls)
+            assert made < 2 * LONG // 2, (round, made)
+        deadline_call = stub.Generate(pb.GenerateRequest(prompt="until the deadline", max_tokens=LONG,
+                                                         temperature=0, ignore_eos=True), timeout=3)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in deadline_call:
+                pass
+        deadline_idle_s = wait_idle(cluster, 15)
+    print(f"3 x 2 cancelled gRPC streams (workers {sorted(served_by)}): idle after "
+          f"{', '.join(f'{s:.2f}' for s in idle_after)} s; after a deadline: idle {deadline_idle_s:.2f} s later")
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert served_by <= {w["worker"] for w in workers(cluster)} and "" not in served_by, served_by
+
+
+def test_the_same_grpc_label_at_once_gets_its_own_tokens_or_already_exists(cluster):
+    """RELIABILITY.md: the labels in flight are per ingress replica, and the engine's ids are the
+    server's: two requests with one label sent at once each stream their own tokens (on two
+    replicas) or the second is ALREADY_EXISTS (on one); never one's tokens in the other."""
+    import grpc
+
+    from kvmesh.cluster.client import grpc_stream
+
+    wait_idle(cluster, 60)
+
+    def run(prompt):
+        try:
+            return list(grpc_stream(cluster.grpc_target, prompt=prompt, max_tokens=40, temperature=0,
+                                    ignore_eos=True, request_id="shared-label"))
+        except grpc.RpcError as e:
+            return e.code()
+
+    for attempt in range(4):
+        with cf.ThreadPoolExecutor(2) as ex:
+            results = list(ex.map(run, ["first prompt of two", "the second prompt"]))
+        ok = [r for r in results if isinstance(r, list)]
+        assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, list)), results
+        assert ok, results
+        for prompt, r in zip(["first prompt of two", "the second prompt"], results):
+            if isinstance(r, list):
+                alone = list(grpc_stream(cluster.grpc_target, prompt=prompt, max_tokens=40, temperature=0,
+                                         ignore_eos=True, request_id="alone"))
+                assert [t for m in r for t in m.token_ids] == [t for m in alone for t in m.token_ids]
+                assert {m.request_id for m in r} == {"shared-label"}
+                assert r[-1].usage.completion_tokens == 40
+        if len(ok) == 2:
+            break  # both ran at once, each with its own tokens
+    print(f"same label at once: {len(ok)} of 2 ran in the last of {attempt + 1} attempts")

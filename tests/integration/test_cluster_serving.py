@@ -91,6 +91,11 @@ def test_grpc_client_streams_the_same_chat(cluster, offline_text):
     assert "".join(m.text for m in msgs) == offline_text
     assert msgs[-1].finish_reason in ("stop", "length")
     assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+    # every message names the worker replica that made it: one of /v1/kvmesh/workers' rows
+    with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=30) as resp:
+        workers = {row["worker"] for row in json.load(resp)["workers"]}
+    assert len({m.worker_id for m in msgs}) == 1 and msgs[0].worker_id in workers, (
+        {m.worker_id for m in msgs}, workers)
 
 
 def test_non_streaming_chat_equals_streaming(openai_client, offline_text):

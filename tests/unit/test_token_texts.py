@@ -57,3 +57,10 @@ def test_the_ingress_looks_texts_up_without_decoding():
     assert fe.token_text_misses == 0
     fe.tokenizer = real  # a token with no text sent is still answered, and counted
     assert fe.decode_token(9) == real.decode([9]) and fe.token_text_misses == 1
+
+
+def test_a_merged_delta_keeps_the_worker_that_made_it():
+    """gRPC's GenerateResponse.worker_id survives the merges of a slow reader's deltas."""
+    a, b = TokenDelta("r", [1], "a", worker_id="w1"), TokenDelta("r", [2], "b")
+    assert a.followed_by(b).worker_id == "w1"
+    assert b.followed_by(TokenDelta("r", [3], "c", worker_id="w2")).worker_id == "w2"
