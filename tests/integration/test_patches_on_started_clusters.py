@@ -153,3 +153,90 @@ def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path,
         finally:
             serve.kill()  # nsenter; the namespace's close ends what it started
             serve.wait(30)
+
+
+def test_kvmesh_serve_address_brings_the_grpc_fixes(tmp_path):
+    """SERVING.md "What the patches cover": on a cluster started with `ray start` (nodes without
+    the hook variable), `kvmesh serve --address` with gRPC on brings the gRPC fixes to Serve's
+    gRPC proxy through the job's runtime_env: malformed request bytes answer INVALID_ARGUMENT
+    (Serve's own: UNKNOWN), a cancelled call stops its request on the engine, and a stream nobody
+    reads is cut after the config's stream_idle_timeout_s with CANCELLED naming the setting."""
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    config = tmp_path / "kvmesh.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "random:tiny-llama", "engine": {"device": "cpu"},
+        "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
+        "server": {"host": "127.0.0.1", "stream_idle_timeout_s": 3}}))
+    http_port, grpc_port = free_port(), free_port()
+    target = f"127.0.0.1:{grpc_port}"
+    log = tmp_path / "serve.log"
+
+    def idle() -> bool:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/kvmesh/workers", timeout=30) as resp:
+            return all(w["running"] == 0 and w["waiting"] == 0 for w in json.load(resp)["workers"])
+
+    def wait_idle(timeout_s: float) -> float:
+        started = time.monotonic()
+        while not idle():
+            assert time.monotonic() - started < timeout_s, "the engine still runs the request"
+            time.sleep(0.1)
+        return time.monotonic() - started
+
+    with ray_head(tmp_path, with_hook=False) as (namespace, gcs, env), open(log, "w") as out:
+        serve = subprocess.Popen(namespace.command([
+            sys.executable, "-m", "kvmesh.cli", "serve", str(config), "--address", gcs,
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port)]), env=env, stdout=out,
+            stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 420
+            while "Ctrl-C stops it." not in log.read_text():
+                assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.5)
+            with grpc.insecure_channel(target) as channel:
+                raw = channel.unary_stream("/kvmesh.v1.Generation/Generate", request_serializer=None,
+                                           response_deserializer=None)
+                with pytest.raises(grpc.RpcError) as e:
+                    list(raw(b"\xff\xff\xff\xff", timeout=60))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+                stub = pb_grpc.GenerationStub(channel)
+                call = stub.Generate(pb.GenerateRequest(prompt="cancel me", max_tokens=1800, temperature=0,
+                                                        ignore_eos=True), timeout=120)
+                next(call)
+                call.cancel()
+                cancelled_idle_s = wait_idle(15)
+            small_window = [("grpc.http2.lookahead_bytes", 16384), ("grpc.http2.bdp_probe", 0)]
+            channels = [grpc.insecure_channel(target, options=small_window) for _ in range(8)]
+            try:
+                streams = [pb_grpc.GenerationStub(c).Generate(pb.GenerateRequest(
+                    prompt=f"unread {i}", max_tokens=1900, temperature=0, ignore_eos=True,
+                    request_id=f"unread-{i}-" + "x" * 240), timeout=180) for i, c in enumerate(channels)]
+                for s in streams:
+                    next(s)
+                wait_idle(120)
+                statuses = []
+                for s in streams:
+                    try:
+                        for _ in s:
+                            pass
+                        statuses.append(None)
+                    except grpc.RpcError as err:
+                        statuses.append((err.code(), err.details()))
+            finally:
+                for c in channels:
+                    c.close()
+            print(f"kvmesh serve --address, gRPC: a cancel idle after {cancelled_idle_s:.2f} s; "
+                  f"unread streams: {sorted(set(map(str, statuses)))}")
+            assert all(s is not None and s[0] == grpc.StatusCode.CANCELLED
+                       and "server.stream_idle_timeout_s" in s[1] for s in statuses), statuses
+            os.kill(namespace.child_of(serve.pid), signal.SIGINT)
+            assert serve.wait(120) == 0, log.read_text()[-4000:]
+        finally:
+            serve.kill()  # nsenter; the namespace's close ends what it started
+            serve.wait(30)

@@ -222,6 +222,13 @@ def test_prompt_and_output_limits_name_the_field(cluster):
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_stream(cluster.grpc_target, prompt="abc", max_tokens=MAX_OUTPUT + 1, api_key=CLI_KEY))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+    # over gRPC the token limit answers the same message as HTTP's (SERVING.md)
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, prompt_token_ids=list(range(1, 150)), max_tokens=1,
+                         api_key=CLI_KEY))
+    status, body, _ = completion(cluster, {"prompt": list(range(1, 150)), "max_tokens": 1})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == body["error"]["message"], (e.value.details(), body)
 
 
 def test_a_prompt_over_the_character_limit_is_refused_before_tokenizing(cluster):

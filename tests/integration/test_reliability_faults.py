@@ -186,6 +186,9 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
     assert got[slow_id] < 0.5 * sum(got.values()), got
 
 
+STALL_CLIENTS = 24
+
+
 @pytest.mark.alone  # its share of the work moves with the machine's load (README)
 def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     pids = worker_pids(cluster)
@@ -198,8 +201,10 @@ def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     resume.start()
     try:
         # more clients than the stalled replica takes (max_ongoing_requests 16): those sent to it
-        # before it counts as stale wait there, the others go on
-        out = traffic(cluster).run_for(stall_s - 1, 32, MIX)
+        # before it counts as stale wait there, the others go on. 24, not 32: with 8 or more
+        # caught on the stalled replica the other never sits at its own limit, where Serve spills
+        # requests onto any replica, the stalled one too (RELIABILITY.md, known limit)
+        out = traffic(cluster).run_for(stall_s - 1, STALL_CLIENTS, MIX)
     finally:
         resume.join()
         stalled.send_signal(signal.SIGCONT)
@@ -209,7 +214,7 @@ def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     # STALE_LOAD_S) were served by the other replica: done before the stalled one resumed
     later = [o for o in out if o.started_at > stalled_at + STALE_LOAD_S + 1]
     quick = [o for o in later if o.started_at + o.latency_s < resumed_at]
-    print(f"stalled replica: {len(quick)} of {len(later)} requests started "
+    print(f"stalled replica: {len(out)} requests; {len(quick)} of {len(later)} started "
           f"{STALE_LOAD_S + 1:.0f} s into the stall finished before it resumed")
     assert later and len(quick) >= 0.9 * len(later), (len(quick), len(later))
 
