@@ -25,8 +25,8 @@ import time
 import pytest
 
 from cluster_support import MODEL, config_cluster, cpu_config
-from reliability_support import (chat_stream_body, http, open_raw_stream, ray_processes, rss_mb,
-                                 wait_until)
+from reliability_support import (SMALL_WINDOW_OPTIONS, chat_stream_body, http, open_raw_stream,
+                                 ray_processes, read_on, rss_mb, wait_until)
 
 from kvmesh.cluster.local import free_port
 
@@ -112,13 +112,6 @@ def test_streams_nobody_reads_are_aborted_and_their_memory_released(cluster, pat
             s.close()
 
 
-# A gRPC client that advertises a small HTTP/2 window and no window growth (BDP probing off): the
-# proxy's writes to it wait after ~16 KiB plus what gRPC queues (measured on grpc.aio alone: 236
-# messages of 100 bytes), instead of the ~6 MiB gRPC's default window grows to on loopback, which
-# the tiny model's whole stream fits in (docs/RELIABILITY.md "Backpressure").
-SMALL_WINDOW_OPTIONS = [("grpc.http2.lookahead_bytes", 16384), ("grpc.http2.bdp_probe", 0)]
-
-
 NUM_GRPC_UNREAD = 16  # sharing the CPU engine, so that none could finish within the timeout
 
 
@@ -153,13 +146,10 @@ def test_grpc_streams_nobody_reads_are_cancelled_on_the_engine(cluster):
         generated = worker_row(cluster)["tokens_out"] - tokens_before
         finish_reasons, statuses = [], []
         for i, stream in enumerate(streams):
-            try:
-                for message in stream:
-                    received[i] += len(message.token_ids)
-                    finish_reasons += [message.finish_reason] if message.finish_reason else []
-                statuses.append(None)
-            except grpc.RpcError as e:
-                statuses.append((e.code(), e.details()))
+            messages, status = read_on(stream)
+            received[i] += sum(len(m.token_ids) for m in messages)
+            finish_reasons += [m.finish_reason for m in messages if m.finish_reason]
+            statuses.append(status)
     finally:
         for channel in channels:
             channel.close()

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # raw_http
 from aws_ray_head import aws_ray_head  # noqa: E402
 from listener_probes import answers_http, answers_kvmesh_grpc, listening_ports  # noqa: E402
 from raw_http import connect, request  # noqa: E402
-from reliability_support import ray_processes_below  # noqa: E402
+from reliability_support import SMALL_WINDOW_OPTIONS, ray_processes_below, read_on  # noqa: E402
 from kvmesh.cluster.local import free_port  # noqa: E402
 
 from kvmesh.cluster.ray_patches import SETUP_HOOK_ENV  # noqa: E402
@@ -211,8 +211,7 @@ def test_kvmesh_serve_address_brings_the_grpc_fixes(tmp_path):
                 next(call)
                 call.cancel()
                 cancelled_idle_s = wait_idle(15)
-            small_window = [("grpc.http2.lookahead_bytes", 16384), ("grpc.http2.bdp_probe", 0)]
-            channels = [grpc.insecure_channel(target, options=small_window) for _ in range(8)]
+            channels = [grpc.insecure_channel(target, options=SMALL_WINDOW_OPTIONS) for _ in range(8)]
             try:
                 streams = [pb_grpc.GenerationStub(c).Generate(pb.GenerateRequest(
                     prompt=f"unread {i}", max_tokens=1900, temperature=0, ignore_eos=True,
@@ -220,14 +219,7 @@ def test_kvmesh_serve_address_brings_the_grpc_fixes(tmp_path):
                 for s in streams:
                     next(s)
                 wait_idle(120)
-                statuses = []
-                for s in streams:
-                    try:
-                        for _ in s:
-                            pass
-                        statuses.append(None)
-                    except grpc.RpcError as err:
-                        statuses.append((err.code(), err.details()))
+                statuses = [read_on(s)[1] for s in streams]
             finally:
                 for c in channels:
                     c.close()
