@@ -7,6 +7,7 @@ Default: the Qwen3-0.6B shape with random bf16 weights (`random:qwen3-0.6b`), 25
 CPU use a tiny preset and short lengths (the CI smoke test does).
 """
 
+import gc
 import json
 import sys
 import time
@@ -145,10 +146,14 @@ def run(args) -> int:
     if structured is not None:  # compiled once, before the timed run (as a server's cache would)
         engine.grammar_compiler.compile(structured)
     _sync(device)
+    allocations = allocator_counts(device)
+    pauses = GcPauses()
     start = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=True)
-    _sync(device)
+    with pauses:
+        outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=True)
+        _sync(device)
     seconds = time.perf_counter() - start
+    allocations = {name: count - allocations[name] for name, count in allocator_counts(device).items()}
     probe.finish()
     probe.detach()
 
@@ -193,6 +198,11 @@ def run(args) -> int:
         "floor_bytes": floor.bytes, "floor_flops": floor.flops, **ceilings,
         "host_seconds_outside_execute": probe.step_seconds - probe.execute_seconds,
         "execute_seconds": probe.execute_seconds, "nano_vllm_workload": is_reference,
+        # CUDA: the allocators' calls into the driver during the timed run (each may make the host
+        # wait for the device: a step launched late)
+        "allocations": allocations,
+        # the host's pauses for Python's cyclic garbage collector during the timed run
+        "gc": pauses.summary(),
         "peers": {}, "command": " ".join(["kvmesh"] + sys.argv[1:]) if sys.argv else "",
     }
     for name, peer in peers.items():
@@ -328,6 +338,52 @@ def _print_step_times(t: dict) -> None:
         print(f"  a decode step = {t['fixed_ms']:.3f} ms + {t['per_seq_us']:.2f} us per sequence + "
               f"{t['per_kv_token_ns']:.3f} ns per KV token (r2 {t['r2']:.3f}); the fixed part is "
               f"{t['fixed_share_of_decode']:.0%} of the decode steps' time")
+
+
+class GcPauses:
+    """Within the block: each collection of Python's cyclic garbage collector, its generation and
+    how long the host was inside it (gc.callbacks)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started))
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        """Per generation: collections, their total and longest pause (ms)."""
+        out = {}
+        for gen in sorted({g for g, _ in self.pauses}):
+            ms = [s * 1e3 for g, s in self.pauses if g == gen]
+            out[f"gen{gen}"] = {"collections": len(ms), "total_ms": round(sum(ms), 2), "max_ms": round(max(ms), 2)}
+        return out
+
+
+def allocator_counts(device) -> dict[str, int]:
+    """PyTorch's device and pinned-host allocators: how often each has called the driver (cudaMalloc,
+    cudaFree, cudaHostAlloc), retried after freeing its cache, and spent in cudaHostAlloc (us);
+    {} off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    counts = {name: int(stats.get(name, 0)) for name in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    host = torch.cuda.host_memory_stats()
+    counts.update({f"host_{name}": int(host.get(name, 0)) for name in ("num_host_alloc", "num_host_free")})
+    counts["host_alloc_us"] = int(host.get("host_alloc_time.total", 0))  # time inside those calls
+    return counts
 
 
 def _device_name(device) -> str:

@@ -1,6 +1,7 @@
 """`kvmesh bench offline` / `latency` on the CPU with a tiny preset (seconds): the CLI runs, the JSON
 has the numbers the GPU run reports, and the workload is nano-vllm's."""
 
+import gc
 import json
 
 import pytest
@@ -39,6 +40,22 @@ def test_offline_smoke(capsys):
     assert r["preemptions"] == 0
     assert 0 < r["execute_seconds"] and 0 <= r["host_seconds_outside_execute"]
     assert r["execute_seconds"] + r["host_seconds_outside_execute"] <= r["seconds"]
+    assert r["allocations"] == {}  # the CUDA allocators' counts: none on the CPU
+    for gen, pauses in r["gc"].items():  # the garbage collector's pauses in the timed run, if any
+        assert gen in ("gen0", "gen1", "gen2") and pauses["collections"] > 0
+        assert 0 <= pauses["max_ms"] <= pauses["total_ms"] <= r["seconds"] * 1e3
+
+
+def test_gc_pauses_count_each_collection_by_generation():
+    from kvmesh.bench.offline import GcPauses
+
+    with GcPauses() as pauses:
+        for gen in (0, 2, 2):
+            gc.collect(gen)
+    summary = pauses.summary()
+    assert summary["gen0"]["collections"] == 1 and summary["gen2"]["collections"] == 2
+    assert summary["gen2"]["max_ms"] <= summary["gen2"]["total_ms"]
+    assert pauses._callback not in gc.callbacks  # removed on leaving the block
 
 
 def test_offline_passes_gpu_memory_utilization_and_counts_preemptions(capsys, monkeypatch):
