@@ -16,7 +16,9 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
      PYTHONPATH=. python3 bench/gpu_kernels.py --gemm $OUT/gemm.json   the decoder's GEMMs at
        Qwen3-0.6B's shapes by tokens per step, cuBLAS against cuBLASLt (torch's preferred BLAS
        library), as CUDA-graph replays against the copy rate over the weights' bytes, each against
-       a float32 product"""
+       a float32 product
+     PYTHONPATH=. python3 bench/gpu_kernels.py --gemm-cold $OUT/gemm_cold.json   a layer's four GEMMs
+       with their weights in L2 against L2 flushed before each (as between a decode step's layers)"""
 
 import importlib.util
 import json
@@ -293,7 +295,38 @@ def gemm():
     save_rows(bw, rows)
 
 
+def gemm_cold():
+    """A decoder layer's four GEMMs with their weights in L2 (replayed back to back, as --gemm) and
+    with L2 flushed first (a 256 MB fill before each GEMM, its own time subtracted), as in a decode
+    step, where the attention kernel streams the KV through L2 between a layer's GEMMs: how much of
+    a small-M GEMM's time is reading weights from HBM rather than L2."""
+    import torch.nn.functional as F
+
+    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+               for name, (n, k) in shapes.items()}
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush_ms = triton.testing.do_bench_cudagraph(lambda: flush.fill_(1), rep=50, return_mode="median")
+    rows = []
+    for tokens in (1, 8, 32, 64, 128, 256):
+        hot_us = cold_us = 0.0
+        for name, w in weights.items():
+            x = torch.randn(tokens, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            hot = triton.testing.do_bench_cudagraph(lambda: F.linear(x, w), rep=50, return_mode="median")
+            both = triton.testing.do_bench_cudagraph(lambda: (flush.fill_(1), F.linear(x, w)), rep=50,
+                                                     return_mode="median")
+            rows.append(dict(tokens=tokens, gemm=name, hot_us=hot * 1e3, cold_us=(both - flush_ms) * 1e3))
+            hot_us += rows[-1]["hot_us"]
+            cold_us += rows[-1]["cold_us"]
+        layer_bytes = sum(w.numel() * 2 for w in weights.values())
+        print(f"tokens {tokens:4d}: layer's 4 GEMMs, weights in L2 {hot_us:6.1f} us, L2 flushed {cold_us:6.1f} us "
+              f"(copy rate over the weights: {layer_bytes / bw * 1e6:.1f} us; the fill {flush_ms * 1e3:.0f} us)",
+              flush=True)
+    save_rows(bw, rows)
+
+
 if __name__ == "__main__":
     modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick,
-             "--sampler": sampler, "--gemm": gemm}
+             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

@@ -1,7 +1,9 @@
 """The engine core: synchronous and single-threaded. step() = schedule -> execute -> update."""
 
 import concurrent.futures
+import gc
 import logging
+import os
 import random
 import time
 
@@ -26,6 +28,12 @@ from kvmesh.worker import tensor_parallel
 from kvmesh.worker.tensor_parallel import SINGLE
 
 logger = logging.getLogger("kvmesh.engine")
+
+# Whether an engine on CUDA moves every object alive once it is built into the garbage collector's
+# permanent generation (gc.freeze, as vLLM's engine core does); KVMESH_GC_FREEZE=0: not (A/B runs).
+# The objects made later (requests, steps) are collected as before; an engine itself is freed by
+# reference counting when dropped (tests/gpu/test_prompt_warm_up_gpu.py).
+GC_FREEZE = os.environ.get("KVMESH_GC_FREEZE", "1") != "0"
 
 
 class Engine:
@@ -72,6 +80,12 @@ class Engine:
         self._awaiting_grammar: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self._next_seq = 0
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob token strings)
+        if self.device.type == "cuda" and GC_FREEZE:
+            # Python's cyclic collector out of what the imports and this engine made: a full
+            # collection scans all of it on the step loop (~170-300 ms on nvidia-h200, docs/PERF.md),
+            # while the GPU, one step ahead of the host, waits
+            gc.collect()
+            gc.freeze()
 
     # ---- sizing ------------------------------------------------------------------------------
 

@@ -61,3 +61,29 @@ def test_the_first_prompts_compile_no_kernel_of_the_forward(backend):
     gc.collect()
     torch.cuda.empty_cache()
     assert not grown, f"compiled during the first prompts: {grown}"
+
+
+def test_an_engine_on_cuda_freezes_what_it_made_and_is_freed_when_dropped():
+    """Engine.__init__ on CUDA ends with gc.freeze() (KVMESH_GC_FREEZE): the collector's scans skip
+    the imports' and the engine's objects from then on. A frozen object in a reference cycle would
+    never be freed, so the engine must go by reference counting alone: dropped, its KV pool's memory
+    comes back without a collection."""
+    import weakref
+
+    gc.collect()
+    llm = LLM(model="random:qwen3-0.6b", device="cuda", attention_backend="triton", block_size=16,
+              kv_cache_memory_bytes=2 << 30, max_model_len=2048, max_num_seqs=16)
+    assert gc.get_freeze_count() > 0
+    llm.generate(prompt_token_ids=[[(5 * i + j) % 5000 for j in range(50 + i)] for i in range(16)],
+                 sampling_params=SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True), use_tqdm=False)
+    engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+    allocated = torch.cuda.memory_allocated()
+    gc.disable()  # no collection may free it
+    try:
+        del llm
+        freed = engine() is None and pool() is None
+        dropped = allocated - torch.cuda.memory_allocated()
+    finally:
+        gc.enable()
+    gc.unfreeze()
+    assert freed and dropped >= 2 << 30, dropped

@@ -188,3 +188,16 @@ def test_unknown_and_corrupt_models_are_clear(tmp_path):
 def test_unknown_engine_argument_is_named():
     with pytest.raises(TypeError, match="max_batch"):
         LLM(MODEL, max_batch=3)
+
+
+def test_an_engine_on_the_cpu_leaves_the_garbage_collector_as_it_was():
+    """Only an engine on CUDA freezes the collector once built (worker/engine.py GC_FREEZE; the GPU
+    test checks it and that a dropped engine is still freed): on the CPU nothing is frozen."""
+    import gc
+
+    from kvmesh.worker import engine
+
+    assert engine.GC_FREEZE  # on by default
+    frozen = gc.get_freeze_count()
+    LLM(model="random:tiny-qwen3", device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    assert gc.get_freeze_count() == frozen
