@@ -30,7 +30,7 @@ from kvmesh.worker.tensor_parallel import SINGLE
 logger = logging.getLogger("kvmesh.engine")
 
 # Whether an engine on CUDA moves every object alive once it is built into the garbage collector's
-# permanent generation (gc.freeze, as vLLM's engine core does); KVMESH_GC_FREEZE=0: not (A/B runs).
+# permanent generation (gc.freeze, as vLLM does after its start-up); KVMESH_GC_FREEZE=0: not (A/B runs).
 # The objects made later (requests, steps) are collected as before; an engine itself is freed by
 # reference counting when dropped (tests/gpu/test_prompt_warm_up_gpu.py).
 GC_FREEZE = os.environ.get("KVMESH_GC_FREEZE", "1") != "0"
