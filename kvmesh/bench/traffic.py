@@ -1,14 +1,18 @@
 """A bounded, mixed client load against a kvmesh cluster's OpenAI HTTP API, used by the fault and
 soak tests and by `kvmesh bench soak`.
 
-Three kinds of request, each with a hard deadline (a request that outlives it is "hung"):
+Four kinds of request, each with a hard deadline (a request that outlives it is "hung"):
 - whole: non-streaming; retried (honouring Retry-After, at most `max_attempts`) on 429, 5xx and
   connection errors, as the OpenAI clients do;
 - stream: streaming, read to `data: [DONE]`; retried like `whole` while no chunk has arrived (the
   user has seen nothing); afterwards it must end with [DONE], as complete ("ok") or with a chunk
   whose finish_reason is "error" ("error_ended"); a stream whose connection drops without either
   is "cut";
-- abort: streaming, the client disconnects after its first content chunk (mid-stream).
+- abort: streaming, the client disconnects after its first content chunk (mid-stream);
+- grpc: kvmesh.v1 Generate (a stream) on `grpc_target`, read to its status: OK with a last message
+  whose finish_reason is "error" is "error_ended" (after tokens), any other OK "ok"; a failing
+  status counts as the HTTP status the ingress answers for the same error (GRPC_AS_HTTP) and is
+  retried like `stream` (the retry-after its details name) while no token has arrived, "cut" after.
 
 Plain threads and http.client: a disconnect is a closed socket, exactly what a client does.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -27,16 +32,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+# a gRPC status as the HTTP status the ingress answers for the same error (cluster/grpc_service.py);
+# any other failing status as 500
+GRPC_AS_HTTP = {"OK": 200, "INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
+                "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 
 
 @dataclass
 class Outcome:
-    kind: str  # whole | stream | abort
+    kind: str  # whole | stream | abort | grpc
     result: str  # ok | error_ended | aborted | cut | failed | hung
     attempts: int = 0
     tokens: int = 0
     latency_s: float = 0.0
-    statuses: list[int] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)  # HTTP's, or gRPC's as GRPC_AS_HTTP
     detail: str = ""
     started_at: float = 0.0  # time.monotonic()
     plain_errors: int = 0  # error answers whose body is not JSON (a server must never send one)
@@ -45,7 +54,10 @@ class Outcome:
 class Traffic:
     def __init__(self, base_url: str, model: str, api_key: str | None = None,
                  timeout_s: float = 60.0, max_attempts: int = 8, max_tokens: int = 16,
-                 max_retry_wait_s: float = 2.0, seed: int = 0, shared_prefixes: int = 4):
+                 max_retry_wait_s: float = 2.0, seed: int = 0, shared_prefixes: int = 4,
+                 grpc_target: str | None = None):
+        """grpc_target (host:port of the cluster's gRPC API): for requests of the kind grpc."""
+        self.grpc_target = grpc_target
         url = urllib.parse.urlparse(base_url)
         self.host, self.port = url.hostname, url.port or 80
         self.model, self.api_key = model, api_key
@@ -56,14 +68,15 @@ class Traffic:
 
     # ---- one request ---------------------------------------------------------------------------
 
-    def _body(self, i: int, stream: bool) -> bytes:
+    def _prompt(self, i: int) -> str:
         rng = random.Random(self.seed * 1_000_003 + i)
         if self.shared_prefixes:  # a few shared prefixes, so the prefix cache and router work
             tenant = rng.randrange(self.shared_prefixes)
-            prompt = f"Tenant {tenant} instructions: answer briefly and politely. " * 3 + f"Question {i}?"
-        else:
-            prompt = f"Question {i} ({self.seed}): " + " ".join(str(rng.randrange(10**6)) for _ in range(40))
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
+            return f"Tenant {tenant} instructions: answer briefly and politely. " * 3 + f"Question {i}?"
+        return f"Question {i} ({self.seed}): " + " ".join(str(rng.randrange(10**6)) for _ in range(40))
+
+    def _body(self, i: int, stream: bool) -> bytes:
+        body = {"model": self.model, "prompt": self._prompt(i), "max_tokens": self.max_tokens,
                 "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": stream}
         return json.dumps(body).encode()
 
@@ -74,6 +87,8 @@ class Traffic:
         return h
 
     def one(self, i: int, kind: str) -> Outcome:
+        if kind == "grpc":
+            return self._one_grpc(i)
         start = time.monotonic()
         deadline = start + self.timeout_s
         out = Outcome(kind, "failed", started_at=start)
@@ -117,6 +132,60 @@ class Traffic:
             time.sleep(min(retry_after, self.max_retry_wait_s, max(0.0, deadline - time.monotonic())))
         else:
             out.detail = out.detail or "no attempts left"
+        out.latency_s = time.monotonic() - start
+        return out
+
+    def _one_grpc(self, i: int) -> Outcome:
+        import grpc
+
+        from kvmesh.proto import kvmesh_pb2 as pb
+        from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+        if not self.grpc_target:
+            raise ValueError("requests of the kind grpc need grpc_target")
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        out = Outcome("grpc", "failed", started_at=start)
+        request = pb.GenerateRequest(model=self.model, prompt=self._prompt(i), max_tokens=self.max_tokens,
+                                     temperature=0.7, seed=i, ignore_eos=True)
+        metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+        with grpc.insecure_channel(self.grpc_target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            while out.attempts < self.max_attempts:
+                out.attempts += 1
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    out.result = "hung"
+                    break
+                finish = ""
+                try:
+                    for message in stub.Generate(request, timeout=remaining, metadata=metadata):
+                        out.tokens += len(message.token_ids)
+                        finish = message.finish_reason or finish
+                except grpc.RpcError as e:
+                    name = e.code().name
+                    out.detail = f"gRPC {name}: {e.details()}"
+                    if name == "DEADLINE_EXCEEDED":
+                        out.result = "hung"
+                        break
+                    out.statuses.append(GRPC_AS_HTTP.get(name, 500))
+                    if out.tokens:  # cut mid-stream
+                        out.result = "cut"
+                        break
+                    if out.statuses[-1] not in RETRY_STATUSES:
+                        break
+                    hint = re.search(r"retry-after: (\d+) s", e.details() or "")
+                    wait = float(hint.group(1)) if hint else 0.2
+                    time.sleep(min(wait, self.max_retry_wait_s, max(0.0, deadline - time.monotonic())))
+                    continue
+                out.statuses.append(200)
+                if finish == "error" and not out.tokens:
+                    out.detail = "an error before any token, with status OK"
+                else:
+                    out.result = "error_ended" if finish == "error" else "ok"
+                break
+            else:
+                out.detail = out.detail or "no attempts left"
         out.latency_s = time.monotonic() - start
         return out
 

@@ -1,7 +1,7 @@
 """Faults under a bounded load on a live CPU cluster (2 worker replicas, 1 ingress), on 127.0.0.1.
-Each test runs a fixed number of mixed requests (non-streaming, streaming, aborted) through
-kvmesh.bench.traffic, injects one fault by signalling one of the cluster's own processes (found
-below the `kvmesh serve` process by pid), and checks:
+Each test runs a fixed number of mixed requests (non-streaming, streaming, aborted; with the worker
+kills, gRPC streams too) through kvmesh.bench.traffic, injects one fault by signalling one of the
+cluster's own processes (found below the `kvmesh serve` process by pid), and checks:
 
 - nothing is lost: every non-streaming request is answered 200 (retried by the client on 429 / 5xx,
   or inside the ingress where no token was produced), every stream ends with [DONE] (complete or
@@ -40,6 +40,9 @@ from reliability_support import (ReplicaProcesses, engine_process_of, http, metr
 pytestmark = pytest.mark.slow
 
 MIX = {"whole": 0.45, "stream": 0.45, "abort": 0.1}
+# with gRPC streams: one whose worker dies before its first token is re-run by the ingress (the
+# client sees OK), one that had tokens ends with a finish_reason "error" message and OK
+GRPC_MIX = {"whole": 0.35, "stream": 0.3, "grpc": 0.25, "abort": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,8 @@ def cluster(tmp_path_factory):
 
 
 def traffic(cluster, **kw):
-    return Traffic(cluster.http_url, MODEL, max_tokens=kw.pop("max_tokens", 8), **kw)
+    return Traffic(cluster.http_url, MODEL, max_tokens=kw.pop("max_tokens", 8), grpc_target=cluster.grpc_target,
+                   **kw)
 
 
 def free_blocks(cluster) -> dict[str, float]:
@@ -382,9 +386,10 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
         seen["unhealthy_after_s"] = time.monotonic() - killed
 
     out, _ = run_with_fault(cluster, kill_and_watch_health, concurrency=12, max_tokens=32,
-                            mix={"whole": 0.7, "stream": 0.2, "abort": 0.1})
+                            mix={"whole": 0.6, "stream": 0.1, "grpc": 0.2, "abort": 0.1})
     actor = seen["actor"]
     s = assert_nothing_lost(out)
+    assert any(o.kind == "grpc" for o in out), s
     # the ingress re-ran what the dead engine held and what was sent to it afterwards: no client
     # saw an error status, and only streams that had shown tokens could end with an error
     assert all(status == 200 for o in out for status in o.statuses), \
@@ -415,8 +420,11 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
 def test_killing_a_worker_replica_loses_nothing_and_serve_replaces_it(cluster):
     victims = wait_until(lambda: (lambda p: p if len(p) == 2 else None)(ray_processes(cluster, "KVWorker")),
                          90, interval_s=0.5, what="two worker replica processes")
-    out, killed_at = run_with_fault(cluster, lambda: victims[0].send_signal(signal.SIGKILL))
-    assert_nothing_lost(out)
+    out, killed_at = run_with_fault(cluster, lambda: victims[0].send_signal(signal.SIGKILL), mix=GRPC_MIX)
+    s = assert_nothing_lost(out)
+    # no gRPC stream failed or was cut: each ended OK, whole or with an error message after tokens
+    grpc_out = [o for o in out if o.kind == "grpc"]
+    assert grpc_out and all(o.result in ("ok", "error_ended") for o in grpc_out), s
     # within seconds the router sends nothing to the dead replica: later requests need one attempt
     late = [o for o in out if o.started_at > killed_at + 3]
     assert late and all(o.attempts == 1 for o in late), [(o.attempts, o.statuses) for o in late][:5]

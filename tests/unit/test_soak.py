@@ -31,3 +31,22 @@ def test_parse_mix():
     assert parse_mix("whole=1,abort=0.5") == {"whole": 1.0, "abort": 0.5}
     with pytest.raises(ValueError, match="kind=weight"):
         parse_mix("chat=1")
+
+
+def test_traffic_reads_a_grpc_status_as_the_http_status_the_ingress_answers_for_it():
+    """kvmesh.bench.traffic.GRPC_AS_HTTP is cluster/grpc_service.py's mapping read backwards, so a
+    gRPC request is retried on what an HTTP one would be (429, 503), and fails on the rest."""
+    from kvmesh.bench.traffic import GRPC_AS_HTTP, RETRY_STATUSES
+    from kvmesh.cluster.grpc_service import _STATUS
+
+    for http_status, code in _STATUS.items():
+        assert GRPC_AS_HTTP[code.name] == http_status
+    assert {name for name, status in GRPC_AS_HTTP.items() if status in RETRY_STATUSES} == {
+        "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"}
+
+
+def test_a_grpc_request_needs_the_clusters_grpc_target():
+    from kvmesh.bench.traffic import Traffic
+
+    with pytest.raises(ValueError, match="grpc_target"):
+        Traffic("http://127.0.0.1:9", "m").one(0, "grpc")
