@@ -12,6 +12,7 @@ own (a process can ray.init only once); Ray's token auth is off and everything b
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -72,7 +73,10 @@ def test_a_node_that_timed_out_is_stopped_and_ray_started_again():
     assert len(seen["first"]) >= 2, seen
     assert seen["alive"] == [], seen
     assert "starting Ray again (attempt 2 of 2)" in seen["out"]
-    assert f"stopped its {len(seen['first'])} processes" in seen["out"]
+    # the launcher counts the attempt's processes when it fails: those the test saw at the first
+    # poll, or more (the raylet can start agents in between: 5 seen, 7 stopped, once in CI)
+    stopped = re.search(r"stopped its (\d+) processes", seen["out"])
+    assert stopped and int(stopped.group(1)) >= len(seen["first"]), seen["out"]
 
 
 def test_any_other_failure_is_raised_as_it_was_and_leaves_no_process():
