@@ -300,12 +300,16 @@ def test_an_overload_burst_gets_429_and_every_accepted_request_completes(cluster
             break
         time.sleep(0.5)
     assert list(free_idle.values()) == [12]
-    sizes = []
-    for _ in range(3):
+    # Three bursts that overload the replica (4 running + 4 queued): more than 8 in flight at once.
+    # The client cannot make that certain: once in CI (2 busy cores) the ingress let 32 requests
+    # through so slowly that no more than 8 were ever in flight, and all 32 were answered whole.
+    # Such a burst is checked the same way but not counted; at most 6 bursts.
+    sizes, overloaded = [], 0
+    for _ in range(6):
         results = _burst(cluster, 32)
         statuses = [r[0] for r in results]
         assert set(statuses) <= {200, 429}, statuses
-        assert statuses.count(200) >= 8 and statuses.count(429) >= 1, statuses
+        assert statuses.count(200) >= 8, statuses
         for status, body, headers in results:
             if status == 429:
                 assert body["error"]["code"] == "overloaded" and int(headers["Retry-After"]) >= 1
@@ -313,8 +317,12 @@ def test_an_overload_burst_gets_429_and_every_accepted_request_completes(cluster
                 assert body["usage"]["completion_tokens"] == MAX_OUTPUT, body
                 assert body["choices"][0]["finish_reason"] == "length"
         sizes.append(rss_mb(ingress))
+        overloaded += 429 in statuses
+        if overloaded == 3:
+            break
+    assert overloaded == 3, f"{overloaded} of {len(sizes)} bursts of 32 got a 429"
     # the first burst warms caches; later ones must not keep growing the ingress
-    assert sizes[2] - sizes[0] < 40, sizes
+    assert sizes[-1] - sizes[0] < 40, sizes
     # the pool was too small for what was admitted: the worker preempted (and recomputed)
     # (a worker's counters reach /metrics with its next load report: wait for it, bounded)
     wait_until(lambda: sum(per_worker(metrics(cluster.http_url, auth(CLI_KEY)),
