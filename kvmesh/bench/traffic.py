@@ -92,12 +92,7 @@ class Traffic:
         start = time.monotonic()
         deadline = start + self.timeout_s
         out = Outcome(kind, "failed", started_at=start)
-        while out.attempts < self.max_attempts:
-            out.attempts += 1
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                out.result = "hung"
-                break
+        for remaining in self._attempts(out, deadline):
             conn = http.client.HTTPConnection(self.host, self.port, timeout=remaining)
             retry_after = 0.2
             try:
@@ -129,11 +124,26 @@ class Traffic:
                     break
             finally:
                 conn.close()
-            time.sleep(min(retry_after, self.max_retry_wait_s, max(0.0, deadline - time.monotonic())))
-        else:
-            out.detail = out.detail or "no attempts left"
+            self._pause(retry_after, deadline)
         out.latency_s = time.monotonic() - start
         return out
+
+    def _attempts(self, out: Outcome, deadline: float):
+        """Each attempt of a request: yields the time left before its deadline, at most
+        max_attempts times (counted in out.attempts); the caller breaks out once the request has
+        ended. The deadline passed first: out is "hung". The attempts ran out: says so in out."""
+        while out.attempts < self.max_attempts:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                out.result = "hung"
+                return
+            out.attempts += 1
+            yield remaining
+        out.detail = out.detail or "no attempts left"
+
+    def _pause(self, wait_s: float, deadline: float) -> None:
+        """Before a retry: the server's wait, capped by max_retry_wait_s and by the deadline."""
+        time.sleep(min(wait_s, self.max_retry_wait_s, max(0.0, deadline - time.monotonic())))
 
     def _one_grpc(self, i: int) -> Outcome:
         import grpc
@@ -151,12 +161,7 @@ class Traffic:
         metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
         with grpc.insecure_channel(self.grpc_target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            while out.attempts < self.max_attempts:
-                out.attempts += 1
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    out.result = "hung"
-                    break
+            for remaining in self._attempts(out, deadline):
                 finish = ""
                 try:
                     for message in stub.Generate(request, timeout=remaining, metadata=metadata):
@@ -175,8 +180,7 @@ class Traffic:
                     if out.statuses[-1] not in RETRY_STATUSES:
                         break
                     hint = re.search(r"retry-after: (\d+) s", e.details() or "")
-                    wait = float(hint.group(1)) if hint else 0.2
-                    time.sleep(min(wait, self.max_retry_wait_s, max(0.0, deadline - time.monotonic())))
+                    self._pause(float(hint.group(1)) if hint else 0.2, deadline)
                     continue
                 out.statuses.append(200)
                 if finish == "error" and not out.tokens:
@@ -184,8 +188,6 @@ class Traffic:
                 else:
                     out.result = "error_ended" if finish == "error" else "ok"
                 break
-            else:
-                out.detail = out.detail or "no attempts left"
         out.latency_s = time.monotonic() - start
         return out
 

@@ -1,5 +1,9 @@
 """The soak benchmark's verdict (kvmesh/bench/soak.py): growth after warm-up, lost requests, index
-bound; and its --mix parsing."""
+bound; its --mix parsing; and how its client load (kvmesh/bench/traffic.py) retries one request,
+against HTTP and gRPC servers on 127.0.0.1 that answer as each test scripts."""
+
+import contextlib
+import time
 
 import pytest
 
@@ -50,3 +54,166 @@ def test_a_grpc_request_needs_the_clusters_grpc_target():
 
     with pytest.raises(ValueError, match="grpc_target"):
         Traffic("http://127.0.0.1:9", "m").one(0, "grpc")
+
+
+# ---- one request's attempts against loopback servers that answer as scripted -------------------
+
+@contextlib.contextmanager
+def _http_server(answers: list):
+    """An HTTP server on 127.0.0.1 answering each POST with the next of `answers` (status, body,
+    headers, seconds to wait first), the last one again once they run out."""
+    import http.server
+    import json
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, body, headers, wait_s = answers[min(len(seen), len(answers) - 1)]
+            seen.append(status)
+            time.sleep(wait_s)
+            data = json.dumps(body).encode()
+            try:
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                             **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a client past its deadline has gone
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+BUSY = (503, {"error": {"message": "busy", "code": "no_workers"}}, {"Retry-After": "0"}, 0)
+DONE = (200, {"usage": {"completion_tokens": 16}}, {}, 0)
+
+
+def test_an_http_request_is_retried_on_503_until_it_is_answered():
+    from kvmesh.bench.traffic import Traffic
+
+    with _http_server([BUSY, BUSY, DONE]) as (url, seen):
+        out = Traffic(url, "m", max_attempts=5).one(0, "whole")
+    assert (out.result, out.attempts, out.statuses, out.tokens) == ("ok", 3, [503, 503, 200], 16)
+    assert seen == [503, 503, 200]
+
+
+def test_an_http_request_stops_after_max_attempts_and_at_a_status_not_retried():
+    from kvmesh.bench.traffic import Traffic
+
+    with _http_server([BUSY]) as (url, seen):
+        out = Traffic(url, "m", max_attempts=3).one(0, "whole")
+    assert (out.result, out.attempts, out.statuses, out.detail) == ("failed", 3, [503] * 3, "HTTP 503")
+    assert len(seen) == 3
+    refused = (400, {"error": {"message": "no", "param": "prompt"}}, {}, 0)
+    with _http_server([refused]) as (url, seen):
+        out = Traffic(url, "m", max_attempts=3).one(0, "stream")
+    assert (out.result, out.attempts, out.statuses) == ("failed", 1, [400])
+
+
+def test_an_http_request_past_its_deadline_is_hung_whether_waiting_for_an_answer_or_a_retry():
+    from kvmesh.bench.traffic import Traffic
+
+    slow = (200, {"usage": {"completion_tokens": 16}}, {}, 1.5)
+    with _http_server([slow]) as (url, _):
+        out = Traffic(url, "m", timeout_s=0.3).one(0, "whole")
+    assert (out.result, out.attempts, out.detail) == ("hung", 1, "no answer before the deadline")
+    assert out.latency_s < 1.0
+    later = (503, {"error": {"message": "busy"}}, {"Retry-After": "5"}, 0)
+    with _http_server([later]) as (url, seen):
+        out = Traffic(url, "m", timeout_s=0.5, max_retry_wait_s=5).one(0, "whole")
+    # the retry's wait is cut at the deadline, which then has passed: no second attempt
+    assert (out.result, out.attempts, seen) == ("hung", 1, [503])
+    assert out.latency_s < 1.5
+
+
+@contextlib.contextmanager
+def _grpc_server(script):
+    """A kvmesh.v1 Generation server on 127.0.0.1 whose Generate runs script(call_number, context)
+    (a generator of GenerateResponse)."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+    calls = []
+
+    class Servicer(pb_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            calls.append(request.prompt)
+            yield from script(len(calls), context)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_GenerationServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", calls
+    finally:
+        server.stop(0).wait(5)
+
+
+def test_a_grpc_request_is_retried_while_no_token_came_and_cut_after_one():
+    import grpc
+
+    from kvmesh.bench.traffic import Traffic
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    def unavailable_then_whole(n, context):
+        if n < 3:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker (retry-after: 0 s)")
+        yield pb.GenerateResponse(token_ids=[1, 2])
+        yield pb.GenerateResponse(token_ids=[3], finish_reason="length")
+
+    with _grpc_server(unavailable_then_whole) as (target, calls):
+        out = Traffic("http://127.0.0.1:9", "m", grpc_target=target, max_attempts=5).one(0, "grpc")
+    assert (out.result, out.attempts, out.statuses, out.tokens) == ("ok", 3, [503, 503, 200], 3)
+    assert len(calls) == 3
+
+    def cut_after_a_token(n, context):
+        yield pb.GenerateResponse(token_ids=[1])
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the worker died")
+
+    with _grpc_server(cut_after_a_token) as (target, calls):
+        out = Traffic("http://127.0.0.1:9", "m", grpc_target=target, max_attempts=5).one(0, "grpc")
+    assert (out.result, out.attempts, out.statuses, out.tokens) == ("cut", 1, [503], 1)
+
+    def refused(n, context):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long")
+        yield
+
+    with _grpc_server(refused) as (target, calls):
+        out = Traffic("http://127.0.0.1:9", "m", grpc_target=target, max_attempts=5).one(0, "grpc")
+    assert (out.result, out.attempts, out.statuses) == ("failed", 1, [400])
+    assert out.detail == "gRPC INVALID_ARGUMENT: prompt: too long"
+
+
+def test_a_grpc_request_that_keeps_failing_uses_its_attempts_and_says_so():
+    import grpc
+
+    from kvmesh.bench.traffic import Traffic
+
+    def overloaded(n, context):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full (retry-after: 0 s)")
+        yield
+
+    with _grpc_server(overloaded) as (target, calls):
+        out = Traffic("http://127.0.0.1:9", "m", grpc_target=target, max_attempts=4).one(0, "grpc")
+    assert (out.result, out.attempts, out.statuses) == ("failed", 4, [429] * 4)
+    assert len(calls) == 4 and out.detail.startswith("gRPC RESOURCE_EXHAUSTED")
