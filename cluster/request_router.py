@@ -88,7 +88,7 @@ class KVAwareRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         order = self.state.rank(routed.block_hashes, routed.num_prompt_tokens,
                                 routed.session_key, list(by_id), avoid=routed.avoid_workers,
-                                request_id=routed.request_id)
+                                request_id=routed.request_id, keep_stale=False)
         if DEBUG:
             logger.warning("kvmesh route %s: %s synced=%s cursor=%s overlap=%s loads=%s",
                            routed.request_id, order, self._synced.is_set(), self.state.cursor,

@@ -26,9 +26,10 @@ from kvmesh.router.router import Router
 
 # A worker reports its load at least every second (its heartbeat). One not heard from for this long
 # is stalled or dying: it is ranked after every worker that is still reporting, so new requests
-# stop waiting on it within seconds (it still takes spill-over if every worker is stale). A replica
-# whose actor still reports while its engine is frozen says so itself (WorkerLoad.stalled) and is
-# ranked the same way.
+# stop waiting on it within seconds; the cluster's copies leave it out while another worker can
+# serve (rank's keep_stale), so Serve cannot spill requests onto it when the others are full. A
+# replica whose actor still reports while its engine is frozen says so itself (WorkerLoad.stalled)
+# and is treated the same way.
 STALE_LOAD_S = float(os.environ.get("KVMESH_STALE_LOAD_S", "3.0"))
 # Requests this copy routed whose end it has not heard yet (`finished`), newest last; beyond this
 # many the oldest are forgotten (a request that never reports its end costs one entry, for a while).
@@ -115,7 +116,8 @@ class RoutingState:
     # ---- routing -----------------------------------------------------------------------------
 
     def rank(self, block_hashes: Sequence[int], num_prompt_tokens: int, session_key: str | None,
-             candidates: list[str], avoid: list[str] | tuple = (), request_id: str | None = None) -> list[str]:
+             candidates: list[str], avoid: list[str] | tuple = (), request_id: str | None = None,
+             keep_stale: bool = True) -> list[str]:
         """Candidates in the policy's order of preference (every candidate appears once); stale
         or stalled workers after the others, and last the ones in `avoid` (whose engine died under
         this very request: the router's view of them may not show it yet). Those, and workers
@@ -123,7 +125,10 @@ class RoutingState:
         (the request's count in the first worker's load until its next report, Router.count_routed;
         kv_events' record of the prefix in flight) lands on the worker that is really first.
         `request_id`: the caller will report the request's end (`finished`); a request routed
-        again under the same id (a retry) is remembered on its new worker."""
+        again under the same id (a retry) is remembered on its new worker. `keep_stale` False:
+        stale or stalled workers are left out while a candidate that is neither stale nor avoided
+        remains (Serve spills a request over to any later rank when the ones before are full, and
+        one sent to a stalled worker waits there until it resumes)."""
         stale = self.stale_workers()
         avoid = set(avoid)
         candidate_set = set(candidates)
@@ -142,6 +147,8 @@ class RoutingState:
             for last in (stale, avoid):
                 if last:
                     order = [w for w in order if w not in last] + [w for w in order if w in last]
+            if not keep_stale and stale and any(w not in stale and w not in avoid for w in order):
+                order = [w for w in order if w not in stale]
             if order:
                 self.router.count_routed(order[0], block_hashes, num_prompt_tokens, request_id)
                 if request_id is not None:

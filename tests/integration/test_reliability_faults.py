@@ -190,7 +190,7 @@ def test_a_slow_replica_gets_little_new_work_and_nothing_is_lost(cluster):
     assert got[slow_id] < 0.5 * sum(got.values()), got
 
 
-STALL_CLIENTS = 24
+STALL_CLIENTS = 40
 
 
 @pytest.mark.alone  # its share of the work moves with the machine's load (README)
@@ -204,10 +204,12 @@ def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     resume = threading.Timer(stall_s, lambda: stalled.send_signal(signal.SIGCONT))
     resume.start()
     try:
-        # more clients than the stalled replica takes (max_ongoing_requests 16): those sent to it
-        # before it counts as stale wait there, the others go on. 24, not 32: with 8 or more
-        # caught on the stalled replica the other never sits at its own limit, where Serve spills
-        # requests onto any replica, the stalled one too (RELIABILITY.md, known limit)
+        # more clients than both replicas take (max_ongoing_requests 16 each): those sent to the
+        # stalled one before it counts as stale wait there, the others go on, and the other
+        # replica sits at its limit. There Serve spills a request over to any later rank; the
+        # router copies leave a stale worker out of the ranks (RoutingState.rank, keep_stale
+        # False), so it waits in Serve's queue for the other (listed last, 9 to 2 of 80 to 151
+        # such requests per run went to the stalled one and waited for it)
         out = traffic(cluster).run_for(stall_s - 1, STALL_CLIENTS, MIX)
     finally:
         resume.join()
@@ -220,7 +222,7 @@ def test_a_stalled_replica_gets_no_new_work_within_seconds(cluster):
     quick = [o for o in later if o.started_at + o.latency_s < resumed_at]
     print(f"stalled replica: {len(out)} requests; {len(quick)} of {len(later)} started "
           f"{STALE_LOAD_S + 1:.0f} s into the stall finished before it resumed")
-    assert later and len(quick) >= 0.9 * len(later), (len(quick), len(later))
+    assert later and len(quick) >= 0.95 * len(later), (len(quick), len(later))
 
 
 def test_a_stalled_engine_process_is_drained_and_ranked_normally_when_it_steps_again(cluster):

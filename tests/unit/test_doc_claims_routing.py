@@ -378,7 +378,8 @@ def test_the_api_defaults():
     """"`Router(policy="kv_events", block_size=16)`", "`kv_events` (default)", "`RouteRequest(block_hashes,
     num_prompt_tokens, session_key=None)`; `WorkerState(worker_id, load, healthy=True, cap=None,
     reported_at=None)`", "`RoutingState(policy, block_size, cap=None, temperature=0.0, seed=None,
-    clock=time.monotonic, stale_load_s=STALE_LOAD_S)`", "`Router(policy="kv_events",
+    clock=time.monotonic, stale_load_s=STALE_LOAD_S)`; `rank(block_hashes, num_prompt_tokens,
+    session_key, candidates, avoid=(), request_id=None, keep_stale=True)`", "`Router(policy="kv_events",
     weights=CostWeights(...), temperature=0.0, pending_requests=4096)`", "prefix_approx
     `max_blocks_per_worker` (100,000), `cache_threshold` (0.5), `balance_abs` (32), `balance_rel` (1.5)"."""
     import inspect
@@ -406,6 +407,10 @@ def test_the_api_defaults():
     assert {k: params[k].default for k in ("cap", "temperature", "seed", "clock", "stale_load_s")} == {
         "cap": None, "temperature": 0.0, "seed": None, "clock": time.monotonic,
         "stale_load_s": routing_state.STALE_LOAD_S}
+    params = inspect.signature(RoutingState.rank).parameters
+    assert list(params)[1:5] == ["block_hashes", "num_prompt_tokens", "session_key", "candidates"]
+    assert {k: params[k].default for k in ("avoid", "request_id", "keep_stale")} == {
+        "avoid": (), "request_id": None, "keep_stale": True}
 
 
 def test_kvmesh_sim_takes_kv_events_temperature_as_an_option_which_a_serving_config_refuses():

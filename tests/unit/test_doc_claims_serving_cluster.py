@@ -137,8 +137,10 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
     asked = []
 
     class Ranking:  # the RoutingState's rank(): the policy's order of the workers
-        def rank(self, block_hashes, num_prompt_tokens, session_key, workers, avoid, request_id):
-            asked.append((block_hashes, num_prompt_tokens, session_key, sorted(workers), avoid, request_id))
+        def rank(self, block_hashes, num_prompt_tokens, session_key, workers, avoid, request_id,
+                 keep_stale):
+            asked.append((block_hashes, num_prompt_tokens, session_key, sorted(workers), avoid, request_id,
+                          keep_stale))
             return ["w2", "w1", "w3"]
 
     router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
@@ -149,8 +151,54 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
                             session_key="alice", avoid_workers=["w9"])
     ranked = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request])))
     assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["w2"], ["w1"], ["w3"]]
-    assert asked == [([11, 22], 40, "alice", ["w1", "w2", "w3"], ["w9"], "req-1")]
+    assert asked == [([11, 22], 40, "alice", ["w1", "w2", "w3"], ["w9"], "req-1", False)]
     assert asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[]))) == [replicas]
+
+
+def test_a_worker_that_stopped_reporting_is_not_among_the_ranks_serve_gets_while_another_can_serve():
+    """Intro: "A worker that has stopped reporting its load (3 s) or reports its engine stalled is
+    left out while another can serve, so spill-over never lands on it." With a real RoutingState:
+    the stalled holder of the whole prompt is not in the ranks; with every worker silent, all are."""
+    from kvmesh.cluster.messages import RoutedRequest
+    from kvmesh.cluster.request_router import KVAwareRequestRouter
+    from kvmesh.hashing import block_hashes
+    from kvmesh.protocol import KVSnapshot, WorkerLoad
+    from kvmesh.router.event_log import EventLog
+    from kvmesh.router.routing_state import STALE_LOAD_S, RoutingState
+
+    prompt = list(range(64))
+    hashes = block_hashes(prompt, 16)
+    clock = {"now": 100.0}
+    log = EventLog()
+    log.publish_snapshot(KVSnapshot("w1", 1, 0, hashes, 16))
+    log.publish_snapshot(KVSnapshot("w2", 1, 0, [], 16))
+    state = RoutingState("kv_events", 16, clock=lambda: clock["now"])
+
+    def report(t, workers):
+        for w in workers:
+            log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t,
+                                       stalled=w == "w2" and t == 50.0))
+        state.apply(log.poll(state.instance, state.cursor))
+
+    router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
+    router.state, router._synced = state, asyncio.Event()
+    router._synced.set()
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=w)) for w in ("w1", "w2")]
+
+    def ranks():
+        request = RoutedRequest("req-1", prompt, SamplingParams(), block_hashes=hashes)
+        ranked = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request])))
+        return [[r.replica_id.unique_id for r in rank] for rank in ranked]
+
+    report(1.0, ["w1", "w2"])
+    assert ranks() == [["w1"], ["w2"]]  # the holder first
+    clock["now"] += STALE_LOAD_S + 1
+    report(2.0, ["w2"])  # the holder has gone silent
+    assert ranks() == [["w2"]]
+    clock["now"] += STALE_LOAD_S + 1  # both silent: both listed, the holder first
+    assert ranks() == [["w1"], ["w2"]]
+    report(50.0, ["w1", "w2"])  # both report; w2 says its engine is stalled
+    assert ranks() == [["w1"]]
 
 
 # ---- the KV event hub ------------------------------------------------------------------------------

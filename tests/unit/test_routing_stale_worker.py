@@ -124,3 +124,27 @@ def test_what_a_route_leaves_behind_lands_on_the_worker_really_first(why):
     worker, blocks, computed = state.router.policy.pending.continuation(hash_array(HASHES), 0)
     assert worker == "other" and blocks == len(HASHES) and not computed
     assert state.router.workers.get("holder").healthy  # only out of that one choice
+
+
+def test_without_keep_stale_a_stale_worker_is_left_out_while_another_can_serve():
+    """The cluster's copies (keep_stale=False): Serve spills a request over to any later rank when
+    the ones before are full, so a stale worker listed last still got requests whenever the others
+    were at max_ongoing_requests, and they waited there for the stall. Left out, the request
+    waits in Serve's queue for the others. Kept when nothing else could take it: every candidate
+    stale, or the only other one to be avoided."""
+    clock, state, report = _stale_setup(HASHES)
+    report(1.0, ["holder", "other"])
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"], keep_stale=False)[0] == "holder"
+    for i in range(2, 6):
+        clock["now"] += 1.0
+        report(float(i), ["other"])
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"]) == ["other", "holder"]
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"], keep_stale=False) == ["other"]
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"], avoid=["other"],
+                      keep_stale=False) == ["holder", "other"]
+    clock["now"] += 10.0  # both silent now
+    assert state.stale_workers() == {"holder", "other"}
+    assert sorted(state.rank(HASHES, len(PROMPT), None, ["holder", "other"], keep_stale=False)) == [
+        "holder", "other"]
+    report(20.0, ["holder"])  # it reports again: back, and in front for its cached prefix
+    assert state.rank(HASHES, len(PROMPT), None, ["holder", "other"], keep_stale=False) == ["holder"]
