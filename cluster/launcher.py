@@ -203,8 +203,58 @@ def _quiet(logger_name: str, prefix: str):
         log.removeFilter(drop)
 
 
-def deploy(cfg: ServeConfig) -> dict[str, str]:
-    """Start Serve's proxies and deploy the app; returns the endpoints."""
+# Serve's controller gives a new proxy RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s) to answer its
+# ready check, then kills it and starts another with longer; serve.start waits on the first proxy
+# only, and raised its ActorDiedError ("killed by `ray.kill`") while Serve went on (`kvmesh serve
+# --address` in CI, once, with other load on the 2 cores). Started again, serve.start connects to
+# the controller just made; wait_for_proxies then waits for the proxy that replaced it.
+SERVE_START_ATTEMPTS = 3
+PROXY_WAIT_S = 120.0
+
+
+def start_serve(http_options, grpc_options, out=sys.stdout, attempts: int = SERVE_START_ATTEMPTS) -> int:
+    """serve.start, again when its proxy was killed before it was ready; returns the attempts made.
+    Any other failure is raised as it was."""
+    from ray import serve
+    from ray.exceptions import ActorDiedError
+
+    for attempt in range(1, attempts + 1):
+        try:
+            with _quiet("ray.serve", "Connecting to existing Serve app"):
+                serve.start(http_options=http_options, grpc_options=grpc_options)
+            return attempt
+        except ActorDiedError as e:
+            if "ProxyActor" not in str(e) or attempt == attempts:
+                raise
+            print(f"Serve's proxy was stopped before it was ready (a busy machine: Serve gives it "
+                  f"5 s, then starts another); waiting for the next one (attempt {attempt + 1} of "
+                  f"{attempts})", file=out, flush=True)
+    return attempts
+
+
+def wait_for_proxies(timeout_s: float = PROXY_WAIT_S) -> dict[str, str]:
+    """Until Serve's proxy on this process's node is healthy (with none there, any node's), or
+    timeout_s; then DeployError naming each proxy's status. Returns the statuses by node id. Other
+    nodes' proxies are not waited for: a node joining the cluster starts its own when it can."""
+    import ray
+    from ray import serve
+
+    here = ray.get_runtime_context().get_node_id()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proxies = {node: getattr(status, "value", str(status))
+                   for node, status in serve.status().proxies.items()}
+        mine = [proxies[here]] if here in proxies else list(proxies.values())
+        if "HEALTHY" in mine:
+            return proxies
+        if time.monotonic() > deadline:
+            raise DeployError(f"Serve's proxy was not ready within {timeout_s:.0f} s: "
+                              f"{proxies or 'no proxy'}")
+        time.sleep(0.2)
+
+
+def deploy(cfg: ServeConfig, out=sys.stdout) -> dict[str, str]:
+    """Start Serve's proxies and deploy the app; returns the endpoints once the proxies are ready."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
@@ -216,9 +266,8 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
         grpc = gRPCOptions(port=cfg.server.grpc_port,
                            grpc_servicer_functions=servicer_functions(cfg.server.grpc_reflection),
                            enable_reflection=cfg.server.grpc_reflection)
-    serve.start(http_options=HTTPOptions(host=cfg.server.host, port=cfg.server.http_port,
-                                         keep_alive_timeout_s=cfg.server.keep_alive_timeout_s),
-                grpc_options=grpc)
+    start_serve(HTTPOptions(host=cfg.server.host, port=cfg.server.http_port,
+                            keep_alive_timeout_s=cfg.server.keep_alive_timeout_s), grpc, out)
     try:
         # serve.run connects to the Serve just started and logs that "New http_options/
         # controller_options will not be applied": they were, by serve.start above.
@@ -227,6 +276,7 @@ def deploy(cfg: ServeConfig) -> dict[str, str]:
                       blocking=False)
     except RuntimeError as e:  # Serve's message names the deployments, not why they failed
         raise DeployError(f"{e} {deployment_failures(cfg.app_name)}".strip()) from None
+    wait_for_proxies()
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     prefix = cfg.route_prefix.rstrip("/")
     endpoints = {"http": f"http://{host}:{cfg.server.http_port}{prefix}/v1"}
@@ -358,7 +408,7 @@ def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         started = time.monotonic()
-        endpoints = deploy(cfg)
+        endpoints = deploy(cfg, out)
         for note in ready_notes(cfg, wait_for_workers(cfg)):
             print(note, file=out)
         print(f"kvmesh serving {cfg.model} on {cfg.replicas.num_replicas} worker replica(s), "

@@ -344,15 +344,21 @@ def test_grpc_overload_is_resource_exhausted_with_retry_after(cluster):
         except grpc.RpcError as e:
             return e.code(), e.details(), None
 
-    with cf.ThreadPoolExecutor(32) as ex:
-        results = list(ex.map(one, range(32)))
-    kinds = [r[0] for r in results]
-    assert set(kinds) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}, results
-    assert kinds.count("ok") >= 8 and kinds.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
-    for kind, detail, _ in results:
-        if kind == "ok":
-            assert detail == MAX_OUTPUT
-        else:
-            assert "overloaded" in detail and "(retry-after: 1 s)" in detail
+    # a burst that never had more than 8 in flight at once (a slow, busy machine: see the HTTP
+    # burst above) is checked the same way and another one sent, at most 3
+    for _ in range(3):
+        with cf.ThreadPoolExecutor(32) as ex:
+            results = list(ex.map(one, range(32)))
+        kinds = [r[0] for r in results]
+        assert set(kinds) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}, results
+        assert kinds.count("ok") >= 8, results
+        for kind, detail, _ in results:
+            if kind == "ok":
+                assert detail == MAX_OUTPUT
+            else:
+                assert "overloaded" in detail and "(retry-after: 1 s)" in detail
+        if grpc.StatusCode.RESOURCE_EXHAUSTED in kinds:
+            break
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in kinds, "no burst of 32 got RESOURCE_EXHAUSTED"
     # and it keeps serving
     assert completion(cluster, {"prompt": "after", "max_tokens": 2})[0] == 200
