@@ -132,7 +132,6 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
     block hashes (`pending_request.args[0]`) and returns one replica per rank"; a call that is no
     request (model_info, load) may go to any replica."""
     from kvmesh.cluster.messages import RoutedRequest
-    from kvmesh.cluster.request_router import KVAwareRequestRouter
 
     asked = []
 
@@ -143,10 +142,7 @@ def test_the_request_router_ranks_replicas_on_the_requests_block_hashes_one_repl
                           keep_stale))
             return ["w2", "w1", "w3"]
 
-    router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
-    router.state, router._synced = Ranking(), asyncio.Event()
-    router._synced.set()
-    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=w)) for w in ("w1", "w2", "w3")]
+    router, replicas = _router_over(Ranking(), ["w1", "w2", "w3"])
     request = RoutedRequest("req-1", [1] * 40, SamplingParams(), block_hashes=[11, 22],
                             session_key="alice", avoid_workers=["w9"])
     ranked = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request])))
@@ -159,46 +155,38 @@ def test_a_worker_that_stopped_reporting_is_not_among_the_ranks_serve_gets_while
     """Intro: "A worker that has stopped reporting its load (3 s) or reports its engine stalled is
     left out while another can serve, so spill-over never lands on it." With a real RoutingState:
     the stalled holder of the whole prompt is not in the ranks; with every worker silent, all are."""
+    from test_routing_stale_worker import HASHES, PROMPT, _stale_setup
+
     from kvmesh.cluster.messages import RoutedRequest
+
+    clock, state, report = _stale_setup(HASHES)  # "holder" holds the whole prompt, "other" nothing
+    router, replicas = _router_over(state, ["holder", "other"])
+
+    def ranks():
+        request = RoutedRequest("req-1", PROMPT, SamplingParams(), block_hashes=HASHES)
+        ranked = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request])))
+        return [[r.replica_id.unique_id for r in rank] for rank in ranked]
+
+    report(1.0, ["holder", "other"])
+    assert ranks() == [["holder"], ["other"]]  # the holder first
+    clock["now"] += 4.0  # past the setup's 3 s
+    report(2.0, ["other"])  # the holder has gone silent
+    assert ranks() == [["other"]]
+    clock["now"] += 4.0  # both silent: both listed, the holder first
+    assert ranks() == [["holder"], ["other"]]
+    report(50.0, ["holder", "other"], stalled=["other"])  # both report; other's engine is stalled
+    assert ranks() == [["holder"]]
+
+
+def _router_over(state, worker_ids: list[str]):
+    """A KVAwareRequestRouter ranking from `state` (synced, no hub), and a stand-in replica per
+    worker id, as Serve passes them to choose_replicas."""
     from kvmesh.cluster.request_router import KVAwareRequestRouter
-    from kvmesh.hashing import block_hashes
-    from kvmesh.protocol import KVSnapshot, WorkerLoad
-    from kvmesh.router.event_log import EventLog
-    from kvmesh.router.routing_state import STALE_LOAD_S, RoutingState
-
-    prompt = list(range(64))
-    hashes = block_hashes(prompt, 16)
-    clock = {"now": 100.0}
-    log = EventLog()
-    log.publish_snapshot(KVSnapshot("w1", 1, 0, hashes, 16))
-    log.publish_snapshot(KVSnapshot("w2", 1, 0, [], 16))
-    state = RoutingState("kv_events", 16, clock=lambda: clock["now"])
-
-    def report(t, workers):
-        for w in workers:
-            log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t,
-                                       stalled=w == "w2" and t == 50.0))
-        state.apply(log.poll(state.instance, state.cursor))
 
     router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
     router.state, router._synced = state, asyncio.Event()
     router._synced.set()
-    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=w)) for w in ("w1", "w2")]
-
-    def ranks():
-        request = RoutedRequest("req-1", prompt, SamplingParams(), block_hashes=hashes)
-        ranked = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request])))
-        return [[r.replica_id.unique_id for r in rank] for rank in ranked]
-
-    report(1.0, ["w1", "w2"])
-    assert ranks() == [["w1"], ["w2"]]  # the holder first
-    clock["now"] += STALE_LOAD_S + 1
-    report(2.0, ["w2"])  # the holder has gone silent
-    assert ranks() == [["w2"]]
-    clock["now"] += STALE_LOAD_S + 1  # both silent: both listed, the holder first
-    assert ranks() == [["w1"], ["w2"]]
-    report(50.0, ["w1", "w2"])  # both report; w2 says its engine is stalled
-    assert ranks() == [["w1"]]
+    return router, [SimpleNamespace(replica_id=SimpleNamespace(unique_id=w)) for w in worker_ids]
 
 
 # ---- the KV event hub ------------------------------------------------------------------------------

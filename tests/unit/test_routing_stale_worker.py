@@ -15,16 +15,18 @@ HASHES = block_hashes(PROMPT, 16)
 
 def _stale_setup(holder_hashes):
     """A holder of `holder_hashes` and an empty "other", a clock the test moves, and `report(t,
-    workers)` that sends those workers' loads stamped t and applies them."""
+    workers, stalled=())` that sends those workers' loads stamped t (those in `stalled` saying their
+    engine is stalled) and applies them."""
     clock = {"now": 100.0}
     log = EventLog()
     log.publish_snapshot(KVSnapshot("holder", 1, 0, holder_hashes, 16))
     log.publish_snapshot(KVSnapshot("other", 1, 0, [], 16))
     state = RoutingState("kv_events", 16, clock=lambda: clock["now"], stale_load_s=3.0)
 
-    def report(t, workers):
+    def report(t, workers, stalled=()):
         for w in workers:
-            log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t))
+            log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=t,
+                                       stalled=w in stalled))
         state.apply(log.poll(state.instance, state.cursor))
 
     return clock, state, report
