@@ -212,9 +212,9 @@ SERVE_START_ATTEMPTS = 3
 PROXY_WAIT_S = 120.0
 
 
-def start_serve(http_options, grpc_options, out=sys.stdout, attempts: int = SERVE_START_ATTEMPTS) -> int:
-    """serve.start, again when its proxy was killed before it was ready; returns the attempts made.
-    Any other failure is raised as it was."""
+def start_serve(http_options, grpc_options, out=sys.stdout, attempts: int = SERVE_START_ATTEMPTS) -> None:
+    """serve.start, again when its proxy was killed before it was ready. Any other failure, or the
+    last attempt's, is raised as it was."""
     from ray import serve
     from ray.exceptions import ActorDiedError
 
@@ -222,20 +222,19 @@ def start_serve(http_options, grpc_options, out=sys.stdout, attempts: int = SERV
         try:
             with _quiet("ray.serve", "Connecting to existing Serve app"):
                 serve.start(http_options=http_options, grpc_options=grpc_options)
-            return attempt
+            return
         except ActorDiedError as e:
             if "ProxyActor" not in str(e) or attempt == attempts:
                 raise
             print(f"Serve's proxy was stopped before it was ready (a busy machine: Serve gives it "
                   f"5 s, then starts another); waiting for the next one (attempt {attempt + 1} of "
                   f"{attempts})", file=out, flush=True)
-    return attempts
 
 
-def wait_for_proxies(timeout_s: float = PROXY_WAIT_S) -> dict[str, str]:
+def wait_for_proxies(timeout_s: float = PROXY_WAIT_S) -> None:
     """Until Serve's proxy on this process's node is healthy (with none there, any node's), or
-    timeout_s; then DeployError naming each proxy's status. Returns the statuses by node id. Other
-    nodes' proxies are not waited for: a node joining the cluster starts its own when it can."""
+    timeout_s; then DeployError naming each proxy's status. Other nodes' proxies are not waited
+    for: a node joining the cluster starts its own when it can."""
     import ray
     from ray import serve
 
@@ -246,7 +245,7 @@ def wait_for_proxies(timeout_s: float = PROXY_WAIT_S) -> dict[str, str]:
                    for node, status in serve.status().proxies.items()}
         mine = [proxies[here]] if here in proxies else list(proxies.values())
         if "HEALTHY" in mine:
-            return proxies
+            return
         if time.monotonic() > deadline:
             raise DeployError(f"Serve's proxy was not ready within {timeout_s:.0f} s: "
                               f"{proxies or 'no proxy'}")
