@@ -25,11 +25,11 @@ routing: {ingress_replicas: 2}
 server: {stream_interval: ${SI:-4}}
 YAML
 cat /tmp/decode.yaml
-T=200 step "offline, $N prompts" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --json > $OUT/decode_offline.json
+T=120 step "offline, $N prompts" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --json > $OUT/decode_offline.json
 B="python3 -m kvmesh.bench.serve --launch=/tmp/decode.yaml --policies kv_events --workload random
    --workload-opt prompt_tokens=($LEN) --workload-opt output_tokens=($LEN) --num-requests $N --concurrency $C"
-T=200 step "served through Serve's proxy" $B --json $OUT/decode_proxy.json
-T=200 step "served through the direct port" $B --direct-http-port 8124 --json $OUT/decode_direct.json
+T=150 step "served through Serve's proxy" $B --json $OUT/decode_proxy.json
+T=150 step "served through the direct port" $B --direct-http-port 8124 --json $OUT/decode_direct.json
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
