@@ -3,8 +3,9 @@
 # load (docs/PERF.md "Serving cluster", decode-heavy): one replica, 768 requests of 100-1,024 random
 # prompt tokens and 100-1,024 output tokens (ignore_eos), 256 in flight, streamed through Serve's
 # HTTP proxy and through the ingress replicas' direct port, against `bench offline` on 768 prompts
-# drawn the same way, with the same engine settings. Carries .whl-ray .whl-s (the triton backend:
-# no flash-attn build fits beside Ray in 64 MiB). ~5 min.
+# drawn the same way, with the same engine settings, plain and with --text-each-step (the engine's
+# per-step detokenization, which serving does and plain offline does not). Carries .whl-ray .whl-s
+# (the triton backend: no flash-attn build fits beside Ray in 64 MiB). ~5 min.
 # DRY=1 runs the same steps on the CPU with a tiny model and small numbers (a rehearsal here).
 source bench/gpu_env.sh
 if [ -n "${DRY:-}" ]; then
@@ -26,6 +27,8 @@ server: {stream_interval: ${SI:-4}}
 YAML
 cat /tmp/decode.yaml
 T=120 step "offline, $N prompts" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --json > $OUT/decode_offline.json
+T=120 step "offline, text each step" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --text-each-step \
+  --json > $OUT/decode_offline_text.json
 B="python3 -m kvmesh.bench.serve --launch=/tmp/decode.yaml --policies kv_events --workload random
    --workload-opt prompt_tokens=($LEN) --workload-opt output_tokens=($LEN) --num-requests $N --concurrency $C"
 T=150 step "served through Serve's proxy" $B --json $OUT/decode_proxy.json
@@ -35,6 +38,12 @@ import json, sys
 out = sys.argv[1]
 offline = json.loads([l for l in open(f"{out}/decode_offline.json").read().splitlines() if l.startswith("{")][-1])
 print(f"offline: {offline['output_tok_per_s']:,.0f} output tok/s ({offline['num_prompts']} prompts, {offline['seconds']:.2f} s)")
+try:
+    text = json.loads([l for l in open(f"{out}/decode_offline_text.json").read().splitlines() if l.startswith("{")][-1])
+    print(f"offline, text each step (the engine's incremental detokenizer, as serving): "
+          f"{text['output_tok_per_s']:,.0f} output tok/s = {text['output_tok_per_s'] / offline['output_tok_per_s']:.0%}")
+except (OSError, IndexError, KeyError) as e:
+    print(f"offline, text each step: no result ({e!r})")
 for name in ("proxy", "direct"):
     try:
         r = next(iter(json.load(open(f"{out}/decode_{name}.json"))["results"].values()))

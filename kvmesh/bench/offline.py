@@ -80,6 +80,11 @@ def add_arguments(p) -> None:
                    help="json: every request's output must match STRUCTURED_SCHEMA (an object holding "
                         "an array of strings), to measure the grammar mask's cost; a request may then "
                         "end before its max_tokens, so output tokens are counted, not checked")
+    p.add_argument("--text-each-step", action="store_true",
+                   help="decode each sequence's text at every step with the engine's incremental "
+                        "detokenizer, as a server's engine does for streaming (by asking to keep special "
+                        "tokens; without it the outputs are decoded once at the end): the serving "
+                        "path's detokenization cost, measured offline")
     p.add_argument("--logprobs-out", default=None, metavar="PATH",
                    help="after the timed run, score the first --logprobs-prompts prompts (each prompt "
                         "token's log-probability, greedy, no prefix cache) and write them to PATH as JSON; "
@@ -140,8 +145,9 @@ def run(args) -> int:
                       step_times=getattr(args, "step_times", False))
     structured = (StructuredOutputs(json=STRUCTURED_SCHEMA)
                   if getattr(args, "structured_outputs", "none") == "json" else None)
+    text_each_step = getattr(args, "text_each_step", False)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=m,
-                             structured_outputs=structured)
+                             structured_outputs=structured, skip_special_tokens=not text_each_step)
               for m in workload.max_tokens]
     if structured is not None:  # compiled once, before the timed run (as a server's cache would)
         engine.grammar_compiler.compile(structured)
@@ -185,6 +191,7 @@ def run(args) -> int:
         # the floor stays the dtype model's (weights read at dtype bytes, bf16 matmul rate) with fp8 too
         "quantization": engine.config.quantization,
         "structured_outputs": "none" if structured is None else "json",
+        "text_each_step": text_each_step,
         # with ignore_eos only a complete grammar ends a request before its max_tokens
         "grammar_completed": sum(o.finish_reason == "stop" for o in outputs),
         "num_prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens,

@@ -46,6 +46,28 @@ def test_offline_smoke(capsys):
         assert 0 <= pauses["max_ms"] <= pauses["total_ms"] <= r["seconds"] * 1e3
 
 
+def test_text_each_step_runs_the_incremental_detokenizer_on_every_token(capsys, monkeypatch):
+    """--text-each-step: the engine's incremental detokenizer takes every output token at its step,
+    as a server's engine does; without it, none (the outputs are decoded once at the end)."""
+    from kvmesh.worker.detokenizer import IncrementalDetokenizer
+
+    fed = []
+    add_tokens = IncrementalDetokenizer.add_tokens
+
+    def counting(self, new_token_ids, check_stop=True):
+        fed.extend(new_token_ids)
+        return add_tokens(self, new_token_ids, check_stop)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens", counting)
+    args = ["bench", "offline", *TINY, "--num-prompts", "3", "--max-input-len", "24", "--max-output-len", "12",
+            "--min-len", "4", "--json"]
+    r = run_json(capsys, args)
+    assert r["text_each_step"] is False and fed == []
+    r = run_json(capsys, args + ["--text-each-step"])
+    # the warm-up's 2 x 4 tokens decode once at the end either way; the timed run's, one by one
+    assert r["text_each_step"] is True and len(fed) == r["output_tokens"]
+
+
 def test_gc_pauses_count_each_collection_by_generation():
     from kvmesh.bench.offline import GcPauses
 
