@@ -36,10 +36,16 @@ T=150 step "served through the direct port" $B --direct-http-port 8124 --json $O
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
-offline = json.loads([l for l in open(f"{out}/decode_offline.json").read().splitlines() if l.startswith("{")][-1])
+
+
+def offline_result(name):  # `bench offline --json` prints its result as the last JSON line
+    return json.loads([l for l in open(f"{out}/{name}.json").read().splitlines() if l.startswith("{")][-1])
+
+
+offline = offline_result("decode_offline")
 print(f"offline: {offline['output_tok_per_s']:,.0f} output tok/s ({offline['num_prompts']} prompts, {offline['seconds']:.2f} s)")
 try:
-    text = json.loads([l for l in open(f"{out}/decode_offline_text.json").read().splitlines() if l.startswith("{")][-1])
+    text = offline_result("decode_offline_text")
     print(f"offline, text each step (the engine's incremental detokenizer, as serving): "
           f"{text['output_tok_per_s']:,.0f} output tok/s = {text['output_tok_per_s'] / offline['output_tok_per_s']:.0%}")
 except (OSError, IndexError, KeyError) as e:
