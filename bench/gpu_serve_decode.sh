@@ -26,13 +26,19 @@ routing: {ingress_replicas: 2}
 server: {stream_interval: ${SI:-4}}
 YAML
 cat /tmp/decode.yaml
+# a fresh machine compiles the Triton kernels on its first run (s30: 23.0 s cold against 18.9 s
+# after): a short run first, untimed, so that the timed ones compare
+T=120 step "warm-up (Triton's compile cache)" $K bench offline --model $MODEL $OFFLINE --num-prompts 32 --json > /dev/null
 T=120 step "offline, $N prompts" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --json > $OUT/decode_offline.json
 T=120 step "offline, text each step" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --text-each-step \
   --json > $OUT/decode_offline_text.json
 B="python3 -m kvmesh.bench.serve --launch=/tmp/decode.yaml --policies kv_events --workload random
-   --workload-opt prompt_tokens=($LEN) --workload-opt output_tokens=($LEN) --num-requests $N --concurrency $C"
+   --workload-opt prompt_tokens=($LEN) --workload-opt output_tokens=($LEN) --num-requests $N --concurrency $C --sample-s 0.5"
 T=150 step "served through Serve's proxy" $B --json $OUT/decode_proxy.json
 T=150 step "served through the direct port" $B --direct-http-port 8124 --json $OUT/decode_direct.json
+# the same, with the engine process sending each step's report itself (no sender thread)
+KVMESH_ENGINE_SENDER=0 T=150 step "direct, the engine sending its reports itself" $B --direct-http-port 8124 \
+  --json $OUT/decode_direct_nosender.json
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -50,7 +56,7 @@ try:
           f"{text['output_tok_per_s']:,.0f} output tok/s = {text['output_tok_per_s'] / offline['output_tok_per_s']:.0%}")
 except (OSError, IndexError, KeyError) as e:
     print(f"offline, text each step: no result ({e!r})")
-for name in ("proxy", "direct"):
+for name in ("proxy", "direct", "direct_nosender"):
     try:
         r = next(iter(json.load(open(f"{out}/decode_{name}.json"))["results"].values()))
     except (OSError, StopIteration, KeyError) as e:
@@ -59,4 +65,13 @@ for name in ("proxy", "direct"):
     print(f"{name}: {r['output_tokens_per_s']:,.0f} output tok/s = "
           f"{r['output_tokens_per_s'] / offline['output_tok_per_s']:.0%} of offline; TTFT p50 "
           f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.1f} ms; {r['ok']} of {r['requests']} answered")
+    samples = [s for s in r.get("samples", []) if s["workers"]]
+    if len(samples) > 1:  # the worker's steps over the sampled span: how much of it the engine stepped
+        a, b = samples[0], samples[-1]
+        (wa, wb) = (next(iter(a["workers"].values())), next(iter(b["workers"].values())))
+        steps, busy, span = wb["steps"] - wa["steps"], wb["step_seconds"] - wa["step_seconds"], b["t"] - a["t"]
+        running = sum(next(iter(s["workers"].values()))["running"] for s in samples) / len(samples)
+        print(f"  sampled {span:.1f} s: {steps:,} steps, {busy / max(steps, 1) * 1e3:.2f} ms in each, "
+              f"{busy / span:.0%} of the span inside Engine.step; {running:.0f} running on average")
+print(f"offline: {offline['steps']:,} steps, {offline['seconds'] / offline['steps'] * 1e3:.2f} ms each")
 PY
