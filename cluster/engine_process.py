@@ -12,8 +12,9 @@ commands and outputs flow as in a thread.
 child's outputs. In the child, a sender thread pickles and sends them (as vLLM's output thread), so
 a step's report is written while the engine goes on with the next step, not between the two (at 256
 sequences a report's pickle is ~0.3 ms); the engine waits only when SEND_QUEUE reports are unsent
-(a replica that stopped reading). KVMESH_ENGINE_SENDER=0: the engine sends each report itself. The child exits when the replica goes away (its end of the socket closes), so a
-killed replica frees its GPU. The child's death is read from the socket: the reader sees EOF (a
+(a replica that stopped reading). KVMESH_ENGINE_SENDER=0: the engine sends each report itself.
+The child exits when the replica goes away (its end of the socket closes), so a killed replica
+frees its GPU. The child's death is read from the socket: the reader sees EOF (a
 SIGKILL, a crash) and reports it as `Failed`.
 """
 

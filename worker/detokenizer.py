@@ -7,7 +7,7 @@ stop string is kept in the output: include_stop_str_in_output).
 
 With a fast (Rust) tokenizer the window is decoded by tokenizers' `DecodeStream`, the same
 algorithm without two Python-level `decode` calls a token (PERF.md "Where output text is decoded":
-~1.4 against ~8 us a token); the text is the same, so where it could differ it is not used: a
+1.7 against 6.1 us a token); the text is the same, so where it could differ it is not used: a
 tokenizer that cleans up spaces after decoding (`clean_up_tokenization_spaces`), a prompt whose last
 tokens end inside a character, or a window whose longer text does not extend the shorter one's
 (tokenizers raises; that request goes on in Python).
@@ -28,7 +28,7 @@ def decode_stream(tokenizer, context: list[int], skip_special_tokens: bool):
         return None  # a prompt ending inside a character: DecodeStream would repeat the prompt's text
     try:
         return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens), backend
-    except TypeError:  # tokenizers before 0.22 has no ids= (the prompt's context)
+    except TypeError:  # a tokenizers whose DecodeStream takes no ids= (the prompt's context)
         return None
 
 
