@@ -146,14 +146,19 @@ class Sender:
 
     def send(self, output) -> None:
         """Queue an output; raises the sender's OSError once the replica is gone."""
-        while True:
-            if self._error is not None:
-                raise self._error
+        if not self._put(output, deadline=float("inf")):
+            raise self._error or OSError("the engine's sender is closed")
+
+    def _put(self, item, deadline: float) -> bool:
+        """Queue `item`, waiting while the replica is not reading, until `deadline` (monotonic) or
+        until the thread has ended (only an OSError ends it before close); False if not queued."""
+        while self._thread.is_alive() and time.monotonic() < deadline:
             try:
-                self._queue.put(output, timeout=0.5)
-                return
-            except queue.Full:  # the replica is not reading: wait for it, or for the thread's error
+                self._queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
                 continue
+        return False
 
     def _run(self) -> None:
         while (output := self._queue.get()) is not None:
@@ -166,12 +171,7 @@ class Sender:
     def close(self) -> None:
         """Send what is queued (up to 30 s), then stop the thread; at once if the replica is gone."""
         deadline = time.monotonic() + 30
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            try:
-                self._queue.put(None, timeout=0.5)
-                break
-            except queue.Full:
-                continue
+        self._put(None, deadline)
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 

@@ -80,11 +80,15 @@ class IncrementalDetokenizer:
                 return stream.step(backend, token_id)
             except Exception:  # tokenizers' InvalidPrefix; the window's state is ours as well
                 self._stream = None
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text, full_text = self._window_texts()
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
             return full_text[len(prefix_text):]
         return None
+
+    def _window_texts(self) -> tuple[str, str]:
+        """The window's text up to read_offset (already emitted) and with every token after it."""
+        return (self._decode(self.token_ids[self.prefix_offset:self.read_offset]),
+                self._decode(self.token_ids[self.prefix_offset:]))
 
     def _find_stop(self, search_from: int) -> str | None:
         best = None
@@ -102,8 +106,7 @@ class IncrementalDetokenizer:
         """Text ready to return: everything on finish, else all but the held back tail."""
         if final and not self.stopped and self.read_offset < len(self.token_ids):
             # the output ended inside an incomplete character: emit what decoding gives for it
-            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            full_text = self._decode(self.token_ids[self.prefix_offset:])
+            prefix_text, full_text = self._window_texts()
             self.text += full_text[len(prefix_text):]
             self.read_offset = len(self.token_ids)
         end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.holdback)

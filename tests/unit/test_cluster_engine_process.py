@@ -1,6 +1,7 @@
 """What only the child-process transport (cluster/engine_process.py) does: start an engine in its
 own interpreter, say why it could not, give up on one that loads too slowly, exit when its
-replica goes away, and send its reports from a thread of their own. What it shares with the thread transport is in test_cluster_engine_loop.py."""
+replica goes away, and send its reports from a thread of their own. What it shares with the thread
+transport is in test_cluster_engine_loop.py."""
 
 import socket
 import threading
