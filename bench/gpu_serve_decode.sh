@@ -65,13 +65,8 @@ for name in ("proxy", "direct", "direct_nosender"):
     print(f"{name}: {r['output_tokens_per_s']:,.0f} output tok/s = "
           f"{r['output_tokens_per_s'] / offline['output_tok_per_s']:.0%} of offline; TTFT p50 "
           f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.1f} ms; {r['ok']} of {r['requests']} answered")
-    samples = [s for s in r.get("samples", []) if s["workers"]]
-    if len(samples) > 1:  # the worker's steps over the sampled span: how much of it the engine stepped
-        a, b = samples[0], samples[-1]
-        (wa, wb) = (next(iter(a["workers"].values())), next(iter(b["workers"].values())))
-        steps, busy, span = wb["steps"] - wa["steps"], wb["step_seconds"] - wa["step_seconds"], b["t"] - a["t"]
-        running = sum(next(iter(s["workers"].values()))["running"] for s in samples) / len(samples)
-        print(f"  sampled {span:.1f} s: {steps:,} steps, {busy / max(steps, 1) * 1e3:.2f} ms in each, "
-              f"{busy / span:.0%} of the span inside Engine.step; {running:.0f} running on average")
+    for worker, v in r.get("sampled", {}).items():  # bench serve's summary of its --sample-s samples
+        print(f"  worker {worker}: {v['stepping_share']:.0%} of the sampled span inside Engine.step, "
+              f"step p50 {v['step_ms_p50']:.2f} ms, {v['running_mean']:.0f} running on average")
 print(f"offline: {offline['steps']:,} steps, {offline['seconds'] / offline['steps'] * 1e3:.2f} ms each")
 PY

@@ -268,8 +268,9 @@ async def _run_sampled(url: str, workload, args, vocab_size: int, model: str) ->
 
 
 def sample_summary(samples: list[dict]) -> dict[str, dict]:
-    """Per worker over the samples: running p50 / max, waiting max, and the mean engine step of each
-    interval between two samples (p50 / max): how a worker's load and speed moved during the run."""
+    """Per worker over the samples: running p50 / mean / max, waiting max, the mean engine step of
+    each interval between two samples (p50 / max), and the share of the sampled span spent inside
+    Engine.step: how a worker's load and speed moved during the run, and how much of it it stepped."""
     import numpy as np
 
     out = {}
@@ -278,8 +279,13 @@ def sample_summary(samples: list[dict]) -> dict[str, dict]:
         steps = [1e3 * (b["step_seconds"] - a["step_seconds"]) / (b["steps"] - a["steps"])
                  for a, b in zip(seen, seen[1:]) if b["steps"] > a["steps"]]
         running = [x["running"] for x in seen]
+        times = [s["t"] for s in samples if w in s["workers"]]
+        span_s = times[-1] - times[0]
+        stepped_s = seen[-1]["step_seconds"] - seen[0]["step_seconds"]
         out[w] = {"running_p50": float(np.median(running)) if running else 0.0,
+                  "running_mean": float(np.mean(running)) if running else 0.0,
                   "running_max": max(running, default=0),
+                  "stepping_share": stepped_s / span_s if span_s > 0 else 0.0,
                   "waiting_max": max((x["waiting"] for x in seen), default=0),
                   "step_ms_p50": float(np.median(steps)) if steps else 0.0,
                   "step_ms_max": max(steps, default=0.0)}
@@ -444,7 +450,8 @@ def run(args) -> int:
         if per_worker:
             print(f"  {name} workers: {per_worker}")
         sampled = ", ".join(f"{w}: running {v['running_p50']:.0f}/{v['running_max']}, waiting max "
-                            f"{v['waiting_max']}, step {v['step_ms_p50']:.1f}/{v['step_ms_max']:.1f} ms"
+                            f"{v['waiting_max']}, step {v['step_ms_p50']:.1f}/{v['step_ms_max']:.1f} ms, "
+                            f"stepping {v['stepping_share']:.0%} of the span"
                             for w, v in r.get("sampled", {}).items())
         if sampled:
             print(f"  {name} sampled (p50/max): {sampled}")

@@ -66,6 +66,8 @@ def test_sample_summary_takes_step_times_over_each_interval():
     # intervals: 100 steps in 1.0 s (10 ms), 50 in 1.0 s (20 ms), none (idle: no step time)
     assert s["step_ms_p50"] == pytest.approx(15.0) and s["step_ms_max"] == pytest.approx(20.0)
     assert (s["running_p50"], s["running_max"], s["waiting_max"]) == (3.0, 6, 3)
+    # 2.0 s inside Engine.step over the 3 s sampled; 3 running on average
+    assert s["stepping_share"] == pytest.approx(2.0 / 3) and s["running_mean"] == pytest.approx(3.0)
 
 
 def test_a_runs_step_time_is_taken_over_the_run_not_since_the_worker_started():
