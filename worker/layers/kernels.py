@@ -18,3 +18,9 @@ FUSE_NORMS = os.environ.get("KVMESH_FUSED_NORMS", "1") != "0"
 # Whether the rotation writes the step's K / V straight into the paged KV cache (one launch instead of
 # the rotation's and the backend's store; the same bytes); KVMESH_FUSED_KV_STORE=0 keeps them apart.
 FUSE_KV_STORE = os.environ.get("KVMESH_FUSED_KV_STORE", "1") != "0"
+
+# Decode steps of at most this many tokens run each layer's residual add + RMSNorm with the GEMM after
+# it in one launch, SiLU-and-mul included for gate_up (kvmesh.kernels.norm_gemm: within the bf16 band
+# of the separate kernels, not bit for bit). 0, the default: never, until a GPU run shows it pays
+# (PERF.md, "What limits it"). Read once.
+NORM_GEMM_MAX_TOKENS = int(os.environ.get("KVMESH_NORM_GEMM_MAX_TOKENS", "0"))

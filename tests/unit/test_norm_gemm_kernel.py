@@ -1,0 +1,164 @@
+"""The norm-and-GEMM kernel (kvmesh.kernels.norm_gemm: a decoder layer's residual add, RMSNorm and
+the GEMM after it, with SiLU-and-mul for gate_up, in one launch) on the CPU, under Triton's
+interpreter (TRITON_INTERPRET=1 in a child process), against torch: in float32 the kernel's own
+formula (the norm's weight on the operand, rstd after the product) to float32 rounding and the
+decoder's unfused layers (RMSNorm, linear, SiLU-and-mul) to a few ulps; in bf16 the unfused layers
+within the bf16 band. The residual stream it writes is x + residual exactly (in bf16 truncated, as
+the interpreter casts; tests/unit/test_fused_norm_kernels.py says why). Shapes that cut every tile:
+rows across row tiles, columns across column tiles, K not a multiple of the K step. Then the decoder
+with the kernel in every layer it fits (forced on the CPU), against the decoder without it: the same
+greedy tokens and logprobs on four architectures. On a GPU: tests/gpu/test_norm_gemm_gpu.py."""
+
+import textwrap
+
+import pytest
+
+from tests.triton_interpret import run_interpreted
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import json, torch
+    import torch.nn.functional as F
+    from kvmesh.kernels.norm_gemm import norm_gemm, config_for
+
+    def unfused(x, r, nw, eps, w, b, silu):
+        total = x if r is None else x + r
+        t = total.float()
+        normed = nw * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        y = F.linear(normed, w, b)
+        if silu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate.float()).to(x.dtype) * up
+        return y, total
+
+    def formula(x, r, nw, eps, w, b, silu):  # the kernel's order of operations, in float64
+        total = (x if r is None else x + r).double()
+        rstd = torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps)
+        y = (total * nw.double()) @ w.double().T * rstd
+        if b is not None:
+            y = y + b.double()
+        if silu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y
+
+    torch.manual_seed(0)
+    out = {}
+    K, N = 96, 80
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for rows in (1, 5, 37):
+            for has_res in (False, True):
+                for silu in (False, True):
+                    for has_bias in ((False, True) if not silu else (False,)):
+                        x = (torch.randn(rows, K) * 2).to(dtype)
+                        r = torch.randn(rows, K).to(dtype) if has_res else None
+                        nw = (1 + 0.3 * torch.randn(K)).to(dtype)
+                        w = (torch.randn(2 * N if silu else N, K) / K ** 0.5).to(dtype)
+                        b = torch.randn(N).to(dtype) if has_bias else None
+                        # small tiles: 3 row tiles at 37 rows, 3 column tiles, K in steps of 32;
+                        # then the shipped configuration (one K step wider than K: masked)
+                        for cfg in ((16, 32, 32, 4, 1), None):
+                            y, total = norm_gemm(x, r, nw, 1e-6, w, b, silu=silu, config=cfg)
+                            key = f"{name}_m{rows}_res{int(has_res)}_silu{int(silu)}_bias{int(has_bias)}_{'small' if cfg else 'default'}"
+                            ref, ref_total = unfused(x, r, nw, 1e-6, w, b, silu)
+                            scale = ref.float().abs().max().item()
+                            out[key + "_vs_unfused"] = (y.float() - ref.float()).abs().max().item() / scale
+                            out[key + "_vs_formula"] = (y.double() - formula(x, r, nw, 1e-6, w, b, silu)).abs().max().item() / scale
+                            if r is None:
+                                exact = total is x
+                            elif dtype == torch.bfloat16:  # the interpreter's cast: toward zero
+                                exact = torch.equal(total, ((x.float() + r.float()).view(torch.int32) & -65536).view(torch.float32).to(dtype))
+                            else:
+                                exact = torch.equal(total, x + r)
+                            out[key + "_total"] = bool(exact)
+                            out[key + "_shape"] = list(y.shape)
+    out["configs"] = [list(config_for(m)) for m in (1, 16, 17, 64, 65, 128, 129, 256)]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_interpreted(SCRIPT)
+
+
+def test_float32_follows_its_formula_and_the_unfused_layers(result):
+    keys = [k for k in result if k.startswith("float32_") and k.endswith("_vs_formula")]
+    assert len(keys) == 3 * 2 * 3 * 2  # rows x residual x (plain, bias, silu) x configs
+    for key in keys:
+        assert result[key] < 1e-6, (key, result[key])
+        # the unfused path rounds nothing in float32 either: only the sums' order differs
+        assert result[key.replace("_vs_formula", "_vs_unfused")] < 1e-5, key
+
+
+def test_bf16_is_within_the_band_of_the_unfused_layers(result):
+    keys = [k for k in result if k.startswith("bfloat16_") and k.endswith("_vs_unfused")]
+    assert len(keys) == 36
+    for key in keys:
+        # one bf16 operand rounded at another point, the interpreter's truncating casts: a few
+        # units in bf16's 8 bits of mantissa, relative to the output's largest value
+        assert result[key] < 4e-2, (key, result[key])
+
+
+def test_the_residual_stream_is_written_whole_and_the_output_has_its_shape(result):
+    for key, value in result.items():
+        if key.endswith("_total"):
+            assert value is True, key
+        if key.endswith("_shape"):
+            rows = int(key.split("_m")[1].split("_")[0])
+            assert value == [rows, 80], key
+
+
+def test_tiles_grow_with_the_rows(result):
+    configs = result["configs"]
+    assert [c[0] for c in configs] == [16, 16, 32, 64, 64, 64, 128, 128]
+    assert all(c[0] in (16, 32, 64, 128) and c[1] % 16 == 0 and c[2] % 16 == 0 for c in configs)
+
+
+MODEL_SCRIPT = textwrap.dedent("""
+    import json
+    from kvmesh import LLM, SamplingParams
+    from kvmesh.worker.models import decoder
+
+    fits, used = decoder._norm_gemm_fits, []
+    def forced(x, residual, norm, linear):  # the GPU's condition, less the device
+        take = x.shape[0] <= 256 and decoder._norm_gemm_takes(x, residual, norm, linear)
+        used.append((x.shape[0], residual is None, linear.weight.shape[0])) if take else None
+        return take
+
+    out = {}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    for model in ("random:tiny-llama", "random:tiny-qwen2", "random:tiny-qwen3", "random:tiny-qwen3-moe"):
+        runs = {}
+        for fused in (False, True):
+            decoder._norm_gemm_fits = forced if fused else fits
+            used.clear()
+            llm = LLM(model, dtype="float32")
+            prompts = [llm.encode("abc " * n) for n in (3, 9, 40)]
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            runs[fused] = [(o.token_ids, [max(t.values()) for t in o.top_logprobs]) for o in outs]
+        out[model] = dict(
+            tokens_equal=[a[0] == b[0] for a, b in zip(runs[False], runs[True])],
+            logprob_diff=max(abs(x - y) for a, b in zip(runs[False], runs[True]) for x, y in zip(a[1], b[1])),
+            calls=len(used), first_layer_calls=sum(1 for u in used if u[1]),
+            widths=sorted({u[2] for u in used}))
+    print(json.dumps(out))
+""")
+
+
+def test_the_decoder_with_the_kernel_gives_the_tokens_and_logprobs_of_the_separate_layers():
+    result = run_interpreted(MODEL_SCRIPT)
+    for model, r in result.items():
+        assert r["tokens_equal"] == [True, True, True], (model, r)
+        assert r["logprob_diff"] < 1e-4, (model, r)
+        # every step (the three prompts' 208 tokens in one, then 11 decodes of 3) in every layer, twice
+        # a layer but in Qwen3-MoE's sparse layer 0 (qkv only); the first layer's without a residual
+        assert r["calls"] == 12 * (3 if model.endswith("moe") else 4), (model, r)
+        assert r["first_layer_calls"] == 12, (model, r)
+    # qkv_proj's and gate_up_proj's widths: (4 q + 2 * kv heads) * head_dim, and 2 * intermediate;
+    # Qwen3-MoE's sparse layer 0 keeps its own MLP, its dense layer 1 the fused gate_up
+    assert result["random:tiny-llama"]["widths"] == [(4 + 2 * 1) * 16, 2 * 128]
+    assert result["random:tiny-qwen3"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
+    assert result["random:tiny-qwen3-moe"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
