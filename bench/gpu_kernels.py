@@ -18,7 +18,12 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        library), as CUDA-graph replays against the copy rate over the weights' bytes, each against
        a float32 product
      PYTHONPATH=. python3 bench/gpu_kernels.py --gemm-cold $OUT/gemm_cold.json   a layer's four GEMMs
-       with their weights in L2 against L2 flushed before each (as between a decode step's layers)"""
+       with their weights in L2 against L2 flushed before each (as between a decode step's layers)
+     PYTHONPATH=. python3 bench/gpu_kernels.py --norm-gemm $OUT/norm_gemm.json   a layer's add +
+       RMSNorm + qkv GEMM and add + RMSNorm + gate_up GEMM + SiLU-and-mul as the separate launches
+       and as one (kernels/norm_gemm.py) by tokens per step, L2 flushed before each (and in L2), with
+       the kernel's shipped tiles and the fastest of a sweep; each against the separate launches'
+       output"""
 
 import importlib.util
 import json
@@ -326,7 +331,70 @@ def gemm_cold():
     save_rows(bw, rows)
 
 
+def norm_gemm_rows():
+    """The two norm-and-GEMM pairs of a Qwen3-0.6B layer: the separate launches against
+    kvmesh.kernels.norm_gemm, with its tiles for the row count (`config_for`) and a sweep."""
+    import torch.nn.functional as F
+
+    from kvmesh.kernels.norm_gemm import config_for, norm_gemm
+    from kvmesh.kernels.rms_norm import add_rms_norm
+    from kvmesh.kernels.silu_and_mul import silu_and_mul
+
+    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
+    hidden = 1024
+    weights = {"qkv": torch.randn(4096, hidden, device="cuda", dtype=torch.bfloat16) / 32,
+               "gate_up": torch.randn(6144, hidden, device="cuda", dtype=torch.bfloat16) / 32}
+    norm_weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush_ms = triton.testing.do_bench_cudagraph(lambda: flush.fill_(1), rep=50, return_mode="median")
+
+    def timed(run):
+        hot = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
+        both = triton.testing.do_bench_cudagraph(lambda: (flush.fill_(1), run()), rep=30, return_mode="median")
+        return hot * 1e3, (both - flush_ms) * 1e3
+
+    sweep = [(bm, bn, bk, 4, 4 if bk == 64 else 3) for bm in (16, 32, 64, 128) for bn in (32, 64, 128)
+             for bk in (64, 128)]
+    rows = []
+    for tokens in (1, 8, 32, 64, 128, 256):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        for name, w in weights.items():
+            silu = name == "gate_up"
+
+            def separate():
+                normed, total = add_rms_norm(x, residual, norm_weight, 1e-6)
+                y = F.linear(normed, w)
+                return silu_and_mul(y) if silu else y
+
+            ref = separate().float()
+            sep_hot, sep_cold = timed(separate)
+            row = dict(tokens=tokens, gemm=name, separate_hot_us=sep_hot, separate_cold_us=sep_cold,
+                       weight_us_at_copy=w.numel() * 2 / bw * 1e6)
+            candidates = [config_for(tokens)] + [c for c in sweep if c[0] <= max(16, 2 * tokens)
+                                                 and c != config_for(tokens)]
+            best = None
+            for config in candidates:
+                run = lambda: norm_gemm(x, residual, norm_weight, 1e-6, w, silu=silu, config=config)  # noqa: E731
+                try:
+                    err = ((run()[0].float() - ref).abs().max() / ref.abs().max()).item()
+                except triton.runtime.errors.OutOfResources:  # the tiles' stages exceed shared memory
+                    continue
+                hot, cold = timed(run)
+                if config == candidates[0]:
+                    row.update(shipped=list(config), shipped_hot_us=hot, shipped_cold_us=cold, shipped_rel_err=err)
+                if best is None or cold < best[1]:
+                    best = (config, cold, hot, err)
+            row.update(best=list(best[0]), best_cold_us=best[1], best_hot_us=best[2], best_rel_err=best[3])
+            rows.append(row)
+            print(f"tokens {tokens:4d} {name:8s} separate {sep_cold:5.1f} us cold ({sep_hot:5.1f} in L2) | "
+                  f"one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) tiles {config_for(tokens)} | "
+                  f"best {best[1]:5.1f} ({best[2]:5.1f}) tiles {tuple(best[0])} err {best[3]:.1e} | "
+                  f"weight at copy rate {row['weight_us_at_copy']:.1f}", flush=True)
+    save_rows(bw, rows)
+
+
 if __name__ == "__main__":
     modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick,
-             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold}
+             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold, "--norm-gemm": norm_gemm_rows}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

@@ -162,3 +162,23 @@ def test_the_decoder_with_the_kernel_gives_the_tokens_and_logprobs_of_the_separa
     assert result["random:tiny-llama"]["widths"] == [(4 + 2 * 1) * 16, 2 * 128]
     assert result["random:tiny-qwen3"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
     assert result["random:tiny-qwen3-moe"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
+
+
+@pytest.mark.parametrize("value,expected", [(None, "0"), ("0", "0"), ("256", "256"), ("-1", "ValueError"),
+                                            ("many", "ValueError")])
+def test_the_switch_is_off_unless_set_and_names_itself_when_malformed(value, expected):
+    """KVMESH_NORM_GEMM_MAX_TOKENS, read once when the layers' module is imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_NORM_GEMM_MAX_TOKENS"}
+    if value is not None:
+        env["KVMESH_NORM_GEMM_MAX_TOKENS"] = value
+    out = subprocess.run([sys.executable, "-c", "from kvmesh.worker.layers.kernels import NORM_GEMM_MAX_TOKENS; "
+                          "print(NORM_GEMM_MAX_TOKENS)"], env=env, capture_output=True, text=True, timeout=120)
+    if expected == "ValueError":
+        assert out.returncode != 0
+        assert f"KVMESH_NORM_GEMM_MAX_TOKENS must be a whole number of tokens (0: off), got {value!r}" in out.stderr
+    else:
+        assert out.stdout.strip() == expected, out.stderr[-2000:]

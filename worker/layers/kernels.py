@@ -23,4 +23,11 @@ FUSE_KV_STORE = os.environ.get("KVMESH_FUSED_KV_STORE", "1") != "0"
 # it in one launch, SiLU-and-mul included for gate_up (kvmesh.kernels.norm_gemm: within the bf16 band
 # of the separate kernels, not bit for bit). 0, the default: never, until a GPU run shows it pays
 # (PERF.md, "What limits it"). Read once.
-NORM_GEMM_MAX_TOKENS = int(os.environ.get("KVMESH_NORM_GEMM_MAX_TOKENS", "0"))
+def _tokens(variable: str, default: str) -> int:
+    value = os.environ.get(variable, default)
+    if not value.isdigit():
+        raise ValueError(f"{variable} must be a whole number of tokens (0: off), got {value!r}")
+    return int(value)
+
+
+NORM_GEMM_MAX_TOKENS = _tokens("KVMESH_NORM_GEMM_MAX_TOKENS", "0")
