@@ -21,7 +21,8 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        with their weights in L2 against L2 flushed before each (as between a decode step's layers)
      PYTHONPATH=. python3 bench/gpu_kernels.py --norm-gemm $OUT/norm_gemm.json   a layer's add +
        RMSNorm + qkv GEMM and add + RMSNorm + gate_up GEMM + SiLU-and-mul as the separate launches
-       and as one (kernels/norm_gemm.py) by tokens per step, L2 flushed before each (and in L2), with
+       and as one (kernels/norm_gemm.py), and the qkv pair with the rotation and KV store after it as
+       three launches, two and one (norm_qkv_rotate_store), by tokens per step, L2 flushed before each (and in L2), with
        the kernel's shipped tiles and the fastest of a sweep; each against the separate launches'
        output"""
 
@@ -391,7 +392,67 @@ def norm_gemm_rows():
                   f"one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) tiles {config_for(tokens)} | "
                   f"best {best[1]:5.1f} ({best[2]:5.1f}) tiles {tuple(best[0])} err {best[3]:.1e} | "
                   f"weight at copy rate {row['weight_us_at_copy']:.1f}", flush=True)
+        rows.append(rotation_row(tokens, x, residual, norm_weight, weights["qkv"], timed))
     save_rows(bw, rows)
+
+
+def rotation_row(tokens, x, residual, norm_weight, weight, timed):
+    """add + RMSNorm, the qkv GEMM, then Qwen3's head norms + rotation + KV store: as three launches,
+    as norm_gemm + rotate_and_store, and as norm_qkv_rotate_store (tiles swept)."""
+    import torch.nn.functional as F
+
+    from kvmesh.kernels.norm_gemm import config_for, norm_gemm, norm_qkv_rotate_store
+    from kvmesh.kernels.rms_norm import add_rms_norm
+    from kvmesh.kernels.rotary import rotate_and_store
+    from kvmesh.worker.layers.rotary import RotaryEmbedding
+    from kvmesh.worker.presets import hf_config_for
+
+    h, hkv, d = 16, 8, 128
+    rotary = RotaryEmbedding(hf_config_for("qwen3-0.6b"), d, 4096).cuda()
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    slots = torch.randperm(256 * 16, device="cuda")[:tokens]
+    caches = [torch.zeros(256, 16, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    head_norm = (torch.ones(d, device="cuda", dtype=torch.bfloat16),) * 2 + (1e-6,)
+
+    def split(qkv):
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        return q.view(tokens, h, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+
+    def separate():
+        normed, _ = add_rms_norm(x, residual, norm_weight, 1e-6)
+        return rotate_and_store(positions, *split(F.linear(normed, weight)), rotary.cos, rotary.sin, *caches,
+                                slots, norm=head_norm)
+
+    def two():
+        qkv, _ = norm_gemm(x, residual, norm_weight, 1e-6, weight)
+        return rotate_and_store(positions, *split(qkv), rotary.cos, rotary.sin, *caches, slots, norm=head_norm)
+
+    def one(config=None):
+        return norm_qkv_rotate_store(x, residual, norm_weight, 1e-6, weight, None, h, hkv, positions, rotary.cos,
+                                     rotary.sin, *caches, slots, head_norm=head_norm, config=config)[0]
+
+    ref = separate().float()
+    row = dict(tokens=tokens, gemm="qkv_rotate")
+    row["separate_hot_us"], row["separate_cold_us"] = timed(separate)
+    row["two_hot_us"], row["two_cold_us"] = timed(two)
+    best = None
+    for config in [config_for(tokens)] + [(bm, 64, bk, 4, 4 if bk == 64 else 3) for bm in (16, 32, 64, 128)
+                                          for bk in (64, 128) if bm <= max(16, 2 * tokens)]:
+        try:
+            err = ((one(config).float() - ref).abs().max() / ref.abs().max()).item()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        hot, cold = timed(lambda: one(config))  # noqa: B023
+        if config == config_for(tokens):
+            row.update(shipped_hot_us=hot, shipped_cold_us=cold, shipped_rel_err=err)
+        if best is None or cold < best[1]:
+            best = (config, cold, hot, err)
+    row.update(best=list(best[0]), best_cold_us=best[1], best_hot_us=best[2], best_rel_err=best[3])
+    print(f"tokens {tokens:4d} qkv+rotation: separate {row['separate_cold_us']:5.1f} us cold "
+          f"({row['separate_hot_us']:5.1f} in L2) | norm_gemm + rotate_and_store {row['two_cold_us']:5.1f} "
+          f"({row['two_hot_us']:5.1f}) | one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) | "
+          f"best {best[1]:5.1f} ({best[2]:5.1f}) tiles {tuple(best[0])} err {best[3]:.1e}", flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The norm-and-GEMM kernel (kvmesh.kernels.norm_gemm) on the GPU: at Qwen3-0.6B's shapes against the
 launches it replaces (add_rms_norm, cuBLAS, silu_and_mul), eagerly and replayed in a CUDA graph, and
-the decoder with it (KVMESH_NORM_GEMM_MAX_TOKENS) against the decoder without it: greedy tokens equal
-but for near-ties, as test_greedy_qwen3.py judges backends. On the CPU:
+its rotation form (norm_qkv_rotate_store) against norm_gemm followed by rotate_and_store, and the
+decoder with them (KVMESH_NORM_GEMM_MAX_TOKENS, KVMESH_NORM_GEMM_ROTATE) against the decoder without:
+greedy tokens equal but for near-ties, as test_greedy_qwen3.py judges backends. On the CPU:
 tests/unit/test_norm_gemm_kernel.py."""
 
 import pytest
@@ -68,8 +69,47 @@ def test_kernel_replays_in_a_cuda_graph():
     assert not torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("rows", [1, 64, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rotation_form_equals_norm_gemm_then_rotate_and_store(rows, cache_dtype):
+    from kvmesh.kernels.norm_gemm import norm_gemm, norm_qkv_rotate_store
+    from kvmesh.kernels.rotary import rotate_and_store
+    from kvmesh.worker.layers.rotary import RotaryEmbedding
+    from kvmesh.worker.presets import hf_config_for
+
+    torch.manual_seed(rows)
+    h, hkv, d = 16, 8, 128
+    rotary = RotaryEmbedding(hf_config_for("qwen3-0.6b"), d, 4096).cuda()
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16) * 4
+    residual = torch.randn_like(x) * 4
+    norm_weight = (1 + 0.2 * torch.randn(HIDDEN, device="cuda")).to(torch.bfloat16)
+    weight = (torch.randn(Q_KV, HIDDEN, device="cuda") / HIDDEN ** 0.5).to(torch.bfloat16)
+    head_norm = ((1 + 0.2 * torch.randn(d, device="cuda")).to(torch.bfloat16),
+                 (1 + 0.2 * torch.randn(d, device="cuda")).to(torch.bfloat16), 1e-6)
+    positions = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:rows]
+    slots[0] = -1
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    fused = [torch.zeros(64, 16, hkv, d, device="cuda", dtype=cache_dtype) for _ in range(2)]
+    apart = [torch.zeros_like(c) for c in fused]
+    q, total = norm_qkv_rotate_store(x, residual, norm_weight, 1e-6, weight, None, h, hkv, positions,
+                                     rotary.cos, rotary.sin, *fused, slots, *scales, head_norm=head_norm)
+    qkv, ref_total = norm_gemm(x, residual, norm_weight, 1e-6, weight)
+    qq, kk, vv = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    ref_q = rotate_and_store(positions, qq.view(rows, h, d), kk.view(rows, hkv, d), vv.view(rows, hkv, d),
+                             rotary.cos, rotary.sin, *apart, slots, *scales, norm=head_norm)
+    assert torch.equal(total, ref_total)
+    # the same GEMM; the head norm's sum in two halves: a unit in the last place where its rstd moved
+    unit = 2 ** -3 if cache_dtype == torch.float8_e4m3fn else 2 ** -7
+    for ours, theirs in [(q, ref_q)] + list(zip(fused, apart)):
+        diff = (ours.float() - theirs.float()).abs()
+        assert torch.all(diff <= theirs.float().abs() * unit + 1e-6), diff.max()
+    assert not fused[0].view(-1, hkv * d)[slots[1:]].float().eq(0).all(dim=-1).any()  # each slot written
+
+
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("backend", ["flash_attn", "triton"])
-def test_greedy_tokens_with_the_kernel_match_those_without(monkeypatch, backend):
+def test_greedy_tokens_with_the_kernel_match_those_without(monkeypatch, backend, rotate):
     import importlib.util
 
     from kvmesh.worker.attention.registry import block_size_for
@@ -81,11 +121,15 @@ def test_greedy_tokens_with_the_kernel_match_those_without(monkeypatch, backend)
     monkeypatch.setattr(decoder, "NORM_GEMM_MAX_TOKENS", 0)
     reference = generate_greedy(backend, block_size=block_size, logprobs=8)
     monkeypatch.setattr(decoder, "NORM_GEMM_MAX_TOKENS", 256)  # every decode step of these 4 prompts
-    taken = []
-    real = decoder._norm_gemm_fits
+    monkeypatch.setattr(decoder, "NORM_GEMM_ROTATE", rotate)
+    taken, rotated = [], []
+    real, real_rotation = decoder._norm_gemm_fits, decoder.Attention.rotation_joins_gemm
     monkeypatch.setattr(decoder, "_norm_gemm_fits", lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(decoder.Attention, "rotation_joins_gemm",
+                        lambda self, x: rotated.append(real_rotation(self, x)) or rotated[-1])
     fused = generate_greedy(backend, block_size=block_size, logprobs=8)
     assert any(taken)
+    assert any(rotated) == rotate
     for prompt_index, (ref, out) in enumerate(zip(reference, fused)):
         assert len(out.token_ids) == 64
         if out.token_ids == ref.token_ids:

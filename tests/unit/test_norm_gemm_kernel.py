@@ -117,6 +117,78 @@ def test_tiles_grow_with_the_rows(result):
     assert all(c[0] in (16, 32, 64, 128) and c[1] % 16 == 0 and c[2] % 16 == 0 for c in configs)
 
 
+ROTATE_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from kvmesh.kernels.norm_gemm import norm_gemm, norm_qkv_rotate_store
+    from kvmesh.kernels.rotary import rotate_and_store
+    from kvmesh.worker.layers import rotary
+    from kvmesh.worker.presets import hf_config_for
+
+    torch.manual_seed(0)
+    out = {}
+    K, H, HKV, D = 96, 4, 2, 32
+    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), D, 256)
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for rows in (3, 37):
+            x = (torch.randn(rows, K) * 2).to(dtype)
+            nw = (1 + 0.3 * torch.randn(K)).to(dtype)
+            w = (torch.randn((H + 2 * HKV) * D, K) / K ** 0.5).to(dtype)
+            positions = torch.randint(0, 256, (rows,))
+            slots = torch.randperm(8 * 16)[:rows]
+            slots[1] = -1  # CUDA-graph padding: nothing stored
+            for has_res in (False, True):
+                r = torch.randn(rows, K).to(dtype) if has_res else None
+                for variant in ("plain", "bias", "head_norm", "fp8"):
+                    b = torch.randn(w.shape[0]).to(dtype) if variant == "bias" else None
+                    head_norm = ((1 + 0.2 * torch.randn(D)).to(dtype), (1 + 0.2 * torch.randn(D)).to(dtype), 1e-6) if variant == "head_norm" else None
+                    cache_dtype = torch.float8_e4m3fn if variant == "fp8" else dtype
+                    scales = (0.5, 2.0) if variant == "fp8" else (1.0, 1.0)
+                    fused = [torch.zeros(8, 16, HKV, D, dtype=cache_dtype) for _ in range(2)]
+                    apart = [torch.zeros(8, 16, HKV, D, dtype=cache_dtype) for _ in range(2)]
+                    cfg = (16, 64, 32, 4, 1)  # 3 row tiles at 37 rows, K in 3 steps
+                    q, total = norm_qkv_rotate_store(x, r, nw, 1e-6, w, b, H, HKV, positions, emb.cos, emb.sin,
+                                                     *fused, slots, *scales, head_norm=head_norm, config=cfg)
+                    qkv, ref_total = norm_gemm(x, r, nw, 1e-6, w, b, config=cfg)
+                    qq, kk, vv = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+                    ref_q = rotate_and_store(positions, qq.view(rows, H, D), kk.view(rows, HKV, D), vv.view(rows, HKV, D),
+                                             emb.cos, emb.sin, *apart, slots, *scales, norm=head_norm)
+                    key = f"{name}_m{rows}_res{int(has_res)}_{variant}"
+                    out[key + "_q"] = (q.float() - ref_q.float()).abs().max().item() / ref_q.float().abs().max().item()
+                    out[key + "_cache"] = max((a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+                                              for a, b in zip(fused, apart))
+                    out[key + "_total"] = bool(torch.equal(total, ref_total))
+                    # rows with a slot wrote theirs, the padding row and the slots of no row nothing
+                    written = [bool(c.view(-1, HKV * D).float().abs().sum(-1)[s] > 0) for c in fused for s in slots.tolist() if s >= 0]
+                    untouched = torch.ones(8 * 16, dtype=torch.bool)
+                    untouched[slots[slots >= 0]] = False
+                    out[key + "_slots"] = all(written) and all(bool(c.view(-1, HKV * D)[untouched].float().abs().sum() == 0) for c in fused)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def rotated():
+    return run_interpreted(ROTATE_SCRIPT)
+
+
+def test_the_rotation_form_equals_norm_gemm_then_rotate_and_store(rotated):
+    """norm_qkv_rotate_store against its two parts (norm_gemm's qkv, then rotate_and_store), both
+    under the interpreter: the head norm's sum runs in two halves here (the same float32 terms, another
+    order), so float32 agrees to rounding, bf16 and FP8 to a unit of their last place."""
+    assert len([k for k in rotated if k.endswith("_q")]) == 2 * 2 * 2 * 4
+    for key, value in rotated.items():
+        if key.endswith(("_total", "_slots")):
+            assert value is True, key
+            continue
+        if key.startswith("float32") and "fp8" not in key:
+            assert value < 1e-6, (key, value)
+        elif "fp8" in key:
+            assert value < 0.13, (key, value)  # e4m3: 3 bits of mantissa, 2^-3 a unit
+        else:
+            assert value < 2 ** -7, (key, value)  # a bf16 unit where the head norm's rstd moved
+
+
 MODEL_SCRIPT = textwrap.dedent("""
     import json
     from kvmesh import LLM, SamplingParams
@@ -130,38 +202,53 @@ MODEL_SCRIPT = textwrap.dedent("""
 
     out = {}
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    rotations = []
+    project_store = decoder.Attention.norm_project_store
+    def counted(self, *args):
+        rotations.append(1)
+        return project_store(self, *args)
+    decoder.Attention.norm_project_store = counted
     for model in ("random:tiny-llama", "random:tiny-qwen2", "random:tiny-qwen3", "random:tiny-qwen3-moe"):
         runs = {}
-        for fused in (False, True):
-            decoder._norm_gemm_fits = forced if fused else fits
+        for arm in ("apart", "norm_gemm", "rotation_too"):
+            decoder._norm_gemm_fits = fits if arm == "apart" else forced
+            decoder.NORM_GEMM_ROTATE = arm == "rotation_too"
             used.clear()
+            rotations.clear()
             llm = LLM(model, dtype="float32")
             prompts = [llm.encode("abc " * n) for n in (3, 9, 40)]
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-            runs[fused] = [(o.token_ids, [max(t.values()) for t in o.top_logprobs]) for o in outs]
-        out[model] = dict(
-            tokens_equal=[a[0] == b[0] for a, b in zip(runs[False], runs[True])],
-            logprob_diff=max(abs(x - y) for a, b in zip(runs[False], runs[True]) for x, y in zip(a[1], b[1])),
-            calls=len(used), first_layer_calls=sum(1 for u in used if u[1]),
-            widths=sorted({u[2] for u in used}))
+            runs[arm] = [(o.token_ids, [max(t.values()) for t in o.top_logprobs]) for o in outs]
+            if arm != "apart":
+                out[f"{model}_{arm}"] = dict(
+                    tokens_equal=[a[0] == b[0] for a, b in zip(runs["apart"], runs[arm])],
+                    logprob_diff=max(abs(x - y) for a, b in zip(runs["apart"], runs[arm]) for x, y in zip(a[1], b[1])),
+                    calls=len(used), first_layer_calls=sum(1 for u in used if u[1]),
+                    widths=sorted({u[2] for u in used}), rotations=len(rotations))
     print(json.dumps(out))
 """)
 
 
 def test_the_decoder_with_the_kernel_gives_the_tokens_and_logprobs_of_the_separate_layers():
+    """Both forms: the norm joining the qkv and gate_up GEMMs, and with the qkv launch also norming q / k
+    heads, rotating and storing K / V (KVMESH_NORM_GEMM_ROTATE), against the separate layers."""
     result = run_interpreted(MODEL_SCRIPT)
-    for model, r in result.items():
-        assert r["tokens_equal"] == [True, True, True], (model, r)
-        assert r["logprob_diff"] < 1e-4, (model, r)
+    assert len(result) == 8
+    for key, r in result.items():
+        moe = "moe" in key
+        assert r["tokens_equal"] == [True, True, True], (key, r)
+        assert r["logprob_diff"] < 1e-4, (key, r)
         # every step (the three prompts' 208 tokens in one, then 11 decodes of 3) in every layer, twice
         # a layer but in Qwen3-MoE's sparse layer 0 (qkv only); the first layer's without a residual
-        assert r["calls"] == 12 * (3 if model.endswith("moe") else 4), (model, r)
-        assert r["first_layer_calls"] == 12, (model, r)
+        assert r["calls"] == 12 * (3 if moe else 4), (key, r)
+        assert r["first_layer_calls"] == 12, (key, r)
+        # the qkv launch of each layer and step took the rotation too, or none did
+        assert r["rotations"] == (12 * 2 if key.endswith("rotation_too") else 0), (key, r)
     # qkv_proj's and gate_up_proj's widths: (4 q + 2 * kv heads) * head_dim, and 2 * intermediate;
     # Qwen3-MoE's sparse layer 0 keeps its own MLP, its dense layer 1 the fused gate_up
-    assert result["random:tiny-llama"]["widths"] == [(4 + 2 * 1) * 16, 2 * 128]
-    assert result["random:tiny-qwen3"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
-    assert result["random:tiny-qwen3-moe"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
+    assert result["random:tiny-llama_norm_gemm"]["widths"] == [(4 + 2 * 1) * 16, 2 * 128]
+    assert result["random:tiny-qwen3_norm_gemm"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
+    assert result["random:tiny-qwen3-moe_norm_gemm"]["widths"] == [(4 + 2 * 2) * 16, 2 * 128]
 
 
 @pytest.mark.parametrize("value,expected", [(None, "0"), ("0", "0"), ("256", "256"), ("-1", "ValueError"),

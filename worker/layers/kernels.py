@@ -31,3 +31,8 @@ def _tokens(variable: str, default: str) -> int:
 
 
 NORM_GEMM_MAX_TOKENS = _tokens("KVMESH_NORM_GEMM_MAX_TOKENS", "0")
+# Where the norm joins the qkv GEMM and the rotation writes K / V into the cache (FUSE_KV_STORE), the
+# GEMM's launch also norms Qwen3's q / k heads, rotates them and stores K / V
+# (kvmesh.kernels.norm_gemm.norm_qkv_rotate_store): one launch up to the attention. 0: the rotation
+# stays its own launch (A/B runs).
+NORM_GEMM_ROTATE = os.environ.get("KVMESH_NORM_GEMM_ROTATE", "1") != "0"

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.attention.base import get_forward_context
-from kvmesh.worker.layers.kernels import FUSE_KV_STORE, FUSE_NORMS, NORM_GEMM_MAX_TOKENS, use_kernels
+from kvmesh.worker.layers.kernels import (FUSE_KV_STORE, FUSE_NORMS, NORM_GEMM_MAX_TOKENS, NORM_GEMM_ROTATE,
+                                          use_kernels)
 from kvmesh.worker.layers.norm import RMSNorm
 from kvmesh.worker.layers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding)
@@ -57,7 +58,7 @@ class Attention(nn.Module):
             return q, k, v
         norm = None  # Qwen3's q / k norms inside the rotation's launch (kvmesh.kernels.rotary)
         if self.q_norm is not None:
-            if FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype:
+            if self._head_norms_fuse(q.dtype):
                 norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -75,6 +76,31 @@ class Attention(nn.Module):
         else:
             q, k = rotary(positions, q, k)
         return q, k, v
+
+    def _head_norms_fuse(self, dtype: torch.dtype) -> bool:
+        return FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == dtype
+
+    def rotation_joins_gemm(self, hidden: torch.Tensor) -> bool:
+        """Whether norm_project_store takes this layer's step: the rotation stores K / V (as project's
+        GPU path) and its Qwen3 head norms, if any, fuse."""
+        from kvmesh.kernels.norm_gemm import fits_rotation
+
+        return (NORM_GEMM_ROTATE and FUSE_KV_STORE and fits_rotation(self.head_dim, hidden)
+                and (self.q_norm is None or self._head_norms_fuse(hidden.dtype)))
+
+    def norm_project_store(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], the residual stream) from the layer's input in one launch
+        (kvmesh.kernels.norm_gemm.norm_qkv_rotate_store): the input norm with its residual add, the
+        qkv projection, Qwen3's head norms, the rotation, and K / V into this layer's cache."""
+        from kvmesh.kernels.norm_gemm import norm_qkv_rotate_store
+
+        ctx, (k_cache, v_cache), (k_scale, v_scale) = self._layer_cache()
+        head_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return norm_qkv_rotate_store(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight,
+                                     self.qkv_proj.bias, self.num_heads, self.num_kv_heads, positions,
+                                     rotary.cos, rotary.sin, k_cache, v_cache, ctx.metadata.slot_mapping,
+                                     k_scale, v_scale, head_norm=head_norm)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention backend over the paged KV cache (writes k and v into it unless the rotation
@@ -119,6 +145,10 @@ class DecoderLayer(nn.Module):
     def before_attention(self, positions, hidden, residual, rotary):
         qkv_proj = self.self_attn.qkv_proj
         if _norm_gemm_fits(hidden, residual, self.input_layernorm, qkv_proj):
+            if self.self_attn.rotation_joins_gemm(hidden):  # one launch up to the attention
+                q, residual = self.self_attn.norm_project_store(positions, hidden, residual,
+                                                                self.input_layernorm, rotary)
+                return q, None, None, residual
             from kvmesh.kernels.norm_gemm import norm_gemm
 
             qkv, residual = norm_gemm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps,
