@@ -226,8 +226,9 @@ def start_serve(http_options, grpc_options, out=sys.stdout, attempts: int = SERV
         except ActorDiedError as e:
             if "ProxyActor" not in str(e) or attempt == attempts:
                 raise
+            grace = os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "5")  # Ray's default
             print(f"Serve's proxy was stopped before it was ready (a busy machine: Serve gives it "
-                  f"5 s, then starts another); waiting for the next one (attempt {attempt + 1} of "
+                  f"{grace} s, then starts another); waiting for the next one (attempt {attempt + 1} of "
                   f"{attempts})", file=out, flush=True)
 
 

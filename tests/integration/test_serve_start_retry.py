@@ -73,6 +73,7 @@ def test_serve_is_started_again_when_its_first_proxy_was_killed_before_it_was_re
     assert seen["killed"] == 1, seen  # one node, one proxy: killed before it was ready
     assert "Serve's proxy was stopped before it was ready" in seen["out"], seen["out"]
     assert "attempt 2 of 3" in seen["out"], seen["out"]
+    assert "Serve gives it 5 s" in seen["out"], seen["out"]  # Ray's default grace, the variable unset
     # before any proxy was ready, the wait ran out naming each proxy's status
     assert len(seen["not_ready"]) == 1 and seen["not_ready"][0].startswith(
         "Serve's proxy was not ready within 0 s: {"), seen["not_ready"]
