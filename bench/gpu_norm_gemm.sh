@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # GPU calls (nvidia-h200): the norm-and-GEMM kernels (kernels/norm_gemm.py; docs/PERF.md "What limits
-# it", issue 17 point 5). Parts, in the order given (default: all three, ~10 min with flash-attn's
-# build: run `tests kernels` in one call and `offline` in the next):
-#   tests    the kernels' GPU tests and the fused-kernel tests beside them (~3 min)
+# it", issue 17 point 5). Parts, in the order given (default: all three, more than one call's 10 min:
+# run `tests` in one call, carrying .fa-src, and `kernels offline` in the next, carrying .fa-tgz):
+#   tests    the kernels' GPU tests (greedy runs on flash_attn and triton) and the fused-kernel tests
+#            beside them (~5-6 min, and ~2 min to build flash-attn from .fa-src, kept in $OUT/fa.tgz)
 #   kernels  bench/gpu_kernels.py --norm-gemm: the launches they replace against one, tiles swept (~3 min)
 #   offline  the offline run alternating, twice each after an untimed warm-up of each form (a fresh
 #            machine's first run compiles Triton's kernels): separate launches
 #            (KVMESH_NORM_GEMM_MAX_TOKENS=0), the norms joined to their GEMMs (=256,
-#            KVMESH_NORM_GEMM_ROTATE=0), and the qkv launch also rotating and storing K / V (=256) (~4 min)
-# Carries .fa-src (flash-attn built here, ~2 min, kept in $OUT/fa.tgz: carry .fa-tgz from then on) or
-# .fa-tgz; without flash-attn the offline runs use the triton backend.
+#            KVMESH_NORM_GEMM_ROTATE=0), and the qkv launch also rotating and storing K / V (=256) (~4-5 min)
+# Without flash-attn the offline runs use the triton backend.
 # DRY=1 rehearses the offline part on the CPU with a tiny model (the switches do nothing there).
 # Predicted: four launches fewer a layer (two norms, SiLU-and-mul, the rotation; ~3 us each with
 # their gaps) against Triton GEMMs up to ~1 us slower than cuBLAS at 256 rows (s18): the decode fit's
@@ -26,7 +26,7 @@ OFFLINE="$ENGINE --step-times --json${DRY:+ --num-prompts 32}"
 for part in ${@:-tests kernels offline}; do
   case $part in
     tests)
-      T=400 step "GPU tests: norm_gemm, fused kernels" python3 -m pytest -q tests/gpu/test_norm_gemm_gpu.py \
+      T=480 step "GPU tests: norm_gemm, fused kernels" python3 -m pytest -q tests/gpu/test_norm_gemm_gpu.py \
         tests/gpu/test_fused_kernels.py ;;
     kernels)
       T=300 step "kernels: separate launches against one" python3 bench/gpu_kernels.py --norm-gemm "$OUT/norm_gemm.json" ;;
