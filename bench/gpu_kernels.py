@@ -337,7 +337,7 @@ def norm_gemm_rows():
     kvmesh.kernels.norm_gemm, with its tiles for the row count (`config_for`) and a sweep."""
     import torch.nn.functional as F
 
-    from kvmesh.kernels.norm_gemm import config_for, norm_gemm
+    from kvmesh.kernels.norm_gemm import SWEEP, config_for, norm_gemm
     from kvmesh.kernels.rms_norm import add_rms_norm
     from kvmesh.kernels.silu_and_mul import silu_and_mul
 
@@ -354,8 +354,6 @@ def norm_gemm_rows():
         both = triton.testing.do_bench_cudagraph(lambda: (flush.fill_(1), run()), rep=30, return_mode="median")
         return hot * 1e3, (both - flush_ms) * 1e3
 
-    sweep = [(bm, bn, bk, 4, 4 if bk == 64 else 3) for bm in (16, 32, 64, 128) for bn in (32, 64, 128)
-             for bk in (64, 128)]
     rows = []
     for tokens in (1, 8, 32, 64, 128, 256):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -372,7 +370,7 @@ def norm_gemm_rows():
             sep_hot, sep_cold = timed(separate)
             row = dict(tokens=tokens, gemm=name, separate_hot_us=sep_hot, separate_cold_us=sep_cold,
                        weight_us_at_copy=w.numel() * 2 / bw * 1e6)
-            candidates = [config_for(tokens)] + [c for c in sweep if c[0] <= max(16, 2 * tokens)
+            candidates = [config_for(tokens)] + [c for c in SWEEP if c[0] <= max(16, 2 * tokens)
                                                  and c != config_for(tokens)]
             best = None
             for config in candidates:
@@ -401,7 +399,7 @@ def rotation_row(tokens, x, residual, norm_weight, weight, timed):
     as norm_gemm + rotate_and_store, and as norm_qkv_rotate_store (tiles swept)."""
     import torch.nn.functional as F
 
-    from kvmesh.kernels.norm_gemm import config_for, norm_gemm, norm_qkv_rotate_store
+    from kvmesh.kernels.norm_gemm import SWEEP, config_for, norm_gemm, norm_qkv_rotate_store
     from kvmesh.kernels.rms_norm import add_rms_norm
     from kvmesh.kernels.rotary import rotate_and_store
     from kvmesh.worker.layers.rotary import RotaryEmbedding
@@ -436,8 +434,9 @@ def rotation_row(tokens, x, residual, norm_weight, weight, timed):
     row["separate_hot_us"], row["separate_cold_us"] = timed(separate)
     row["two_hot_us"], row["two_cold_us"] = timed(two)
     best = None
-    for config in [config_for(tokens)] + [(bm, 64, bk, 4, 4 if bk == 64 else 3) for bm in (16, 32, 64, 128)
-                                          for bk in (64, 128) if bm <= max(16, 2 * tokens)]:
+    # the rotation form's BLOCK_N is the half head: the sweep's other fields, each once
+    rotation_sweep = {(c[0], 64, c[2], c[3], c[4]) for c in SWEEP if c[0] <= max(16, 2 * tokens)}
+    for config in [config_for(tokens)] + sorted(rotation_sweep - {config_for(tokens)}):
         try:
             err = ((one(config).float() - ref).abs().max() / ref.abs().max()).item()
         except triton.runtime.errors.OutOfResources:

@@ -175,12 +175,19 @@ def _norm_qkv_rotate_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, q_out, 
         tl.store(v_cache + at + HALF, cache_value(x2.to(dtype), v_inv_scale, FP8, FP8_MAX, cdt), mask=stored)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the most rows a tile set serves; a first
-# guess from the tiles cuBLAS picks at these shapes (PERF.md's profile: 64 x 16-64 below 64 rows,
-# 128 x 64 above), to be replaced by what `bench/gpu_kernels.py --norm-gemm` measures fastest
-CONFIGS = ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-           (128, 128, 64, 8, 3))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the most rows a tile set serves: tiles whose
+# qkv, gate_up and rotation forms compile for sm_90 without spilling registers (Triton 3.9's compile
+# for an H100/H200 target, on the CPU: tests/unit/test_norm_gemm_sm90.py). Wider K steps at 4 warps
+# spill from 32 rows up (the A operand's add, square and weight are BLOCK_M x BLOCK_K in registers),
+# hence 8 warps from 64 rows. To be replaced by what `bench/gpu_kernels.py --norm-gemm` measures
+# fastest on the GPU.
+CONFIGS = ((16, 64, 128, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 8, 4), (64, 128, 64, 8, 3),
+           (128, 64, 64, 8, 3))
 CONFIG_ROWS = (16, 32, 64, 128, 1 << 31)
+# the tiles `bench/gpu_kernels.py --norm-gemm` sweeps: none of them spills in that compile
+SWEEP = ((16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 32, 64, 4, 4),
+         (32, 64, 64, 4, 4), (64, 32, 64, 4, 4), (64, 64, 32, 8, 4), (64, 64, 64, 8, 4), (64, 128, 32, 8, 4),
+         (64, 128, 64, 8, 3), (128, 64, 32, 8, 4), (128, 64, 64, 8, 3), (128, 128, 32, 8, 3))
 
 
 def config_for(rows: int) -> tuple[int, int, int, int, int]:
