@@ -19,9 +19,14 @@ sums (the bf16 band of any other GEMM), not bit for bit. With `silu`, W is [gate
 the fused gate_up_proj and its tensor-parallel shards hold it) and the program keeps both tiles:
 out = silu(gate) * up, rounded as kvmesh.kernels.silu_and_mul rounds them.
 
+`norm_qkv_rotate_store` goes on from the qkv GEMM to what kvmesh.kernels.rotary.rotate_and_store
+does: a program holds one head of the output as two half-head accumulators, so Qwen3's head norm,
+the rotation (rotate-half) and the K / V store into the paged cache run in its epilogue.
+
 Tiles (`config_for`) are by the number of rows; `bench/gpu_kernels.py --norm-gemm` times them
-against the three kernels they replace. The decoder uses this kernel only for steps of at most
-KVMESH_NORM_GEMM_MAX_TOKENS rows (worker/layers/kernels.py; 0, the default: never).
+against the launches they replace. The decoder uses these kernels only for steps of at most
+KVMESH_NORM_GEMM_MAX_TOKENS rows (worker/layers/kernels.py; 0, the default: never), the rotation
+form unless KVMESH_NORM_GEMM_ROTATE=0.
 """
 
 import torch
