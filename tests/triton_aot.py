@@ -1,9 +1,12 @@
-"""Compile a Triton kernel for an H100 / H200 (sm_90) on a machine without a GPU: Triton's ahead-of-time
-path (ASTSource + GPUTarget) with the ptxas its wheel bundles. Gives what the GPU's launch would
-compile, as the JIT specializes it (16-byte aligned pointers, the named integers multiples of 16),
-with its shared memory and ptxas's register and spill counts. Triton's version here may differ from
-the GPU machine's: a check of the kernel's form, not of the GPU's exact code."""
+"""Compile Triton kernels for an H100 / H200 (sm_90) on a machine without a GPU. A kernel's wrapper
+(kvmesh.kernels.*) is called on CPU tensors inside `captured_launches()`: its launches are recorded
+instead of run, and `compile_sm90` compiles each through Triton's ahead-of-time path (ASTSource +
+GPUTarget) as the JIT would specialize it (the same binder: dtypes, 16-byte alignment, integers
+divisible by 16 or equal to 1, constexprs, num_warps / num_stages), then runs the ptxas its wheel
+bundles for the register and spill counts. Triton's version here may differ from the GPU machine's:
+a check of the kernel's form, not of the GPU's exact code."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 SM90 = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory a block may use on sm_90
@@ -20,9 +24,18 @@ SHARED_LIMIT = 232_448  # bytes of shared memory a block may use on sm_90
 
 @dataclass
 class Compiled:
+    name: str
     shared: int
     registers: int
     spill_bytes: int
+    async_copies: int  # loads pipelined into shared memory
+
+
+@dataclass
+class Launch:
+    fn: JITFunction
+    args: tuple
+    kwargs: dict
 
 
 def ptxas() -> str | None:
@@ -34,16 +47,28 @@ def ptxas() -> str | None:
     return None
 
 
-def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
-                 multiples_of_16: tuple[str, ...] = ()) -> Compiled:
-    """fn (a @triton.jit kernel) with `types` for its runtime arguments ("*bf16", "i32", "fp32", ...)
-    and `constexprs` for the rest."""
-    signature = {a: "constexpr" if a in constexprs else types[a] for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in constexprs and (types[a].startswith("*") or a in multiples_of_16)}
-    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    kernel = triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+@contextlib.contextmanager
+def captured_launches():
+    """The launches made inside the block, recorded and not run (kernels return None)."""
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def compile_sm90(launch: Launch) -> Compiled:
+    fn, backend = launch.fn, make_backend(SM90)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
@@ -54,4 +79,5 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int, nu
     registers = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     assert registers and spills, out.stderr[-2000:]
-    return Compiled(kernel.metadata.shared, int(registers.group(1)), int(spills.group(1)))
+    return Compiled(fn.__name__, kernel.metadata.shared, int(registers.group(1)), int(spills.group(1)),
+                    kernel.asm["ttgir"].count("async_copy_global_to_local"))

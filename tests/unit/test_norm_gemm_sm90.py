@@ -1,67 +1,45 @@
 """The norm-and-GEMM kernels' shipped tiles (kvmesh.kernels.norm_gemm.CONFIGS) compiled for an H100 /
 H200 on this CPU machine (tests/triton_aot.py): each form (qkv, gate_up with SiLU-and-mul, the
-rotation form with a bf16 and an FP8 cache) at Qwen3-0.6B's shapes compiles, pipelines its loads
-(asynchronous copies into shared memory), fits the shared memory and spills no register. The
-interpreter tests (test_norm_gemm_kernel.py) check what the kernels compute; this checks what the GPU
-would run. Triton's version here may differ from the GPU machine's."""
+rotation form with a bf16 and an FP8 cache) at Qwen3-0.6B's shapes, at the rows each tile serves,
+compiles, pipelines its loads (asynchronous copies into shared memory), fits the shared memory and
+spills no register. The interpreter tests (test_norm_gemm_kernel.py) check what the kernels compute;
+this checks what the GPU would run. Triton's version here may differ from the GPU machine's."""
 
 import pytest
+import torch
 
 from kvmesh.kernels import norm_gemm as ng
-from tests.triton_aot import SHARED_LIMIT, compile_sm90, ptxas
+from tests.triton_aot import SHARED_LIMIT, captured_launches, compile_sm90, ptxas
 
 pytestmark = pytest.mark.skipif(ptxas() is None, reason="this Triton has no bundled ptxas")
 
-BF = "*bf16"
-GEMM_TYPES = {**{a: BF for a in ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "out_ptr", "total_ptr")},
-              "M": "i32", "N": "i32", "eps": "fp32"}
-ROTATE_TYPES = {**{a: BF for a in ("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "bias_ptr", "q_out", "total_ptr",
-                                   "wq_ptr", "wk_ptr", "k_cache", "v_cache")},
-                "positions": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping": "*i64",
-                "k_inv_scale": "fp32", "v_inv_scale": "fp32", "M": "i32", "num_q_heads": "i32",
-                "num_kv_heads": "i32", "eps": "fp32", "head_eps": "fp32"}
+BF = torch.bfloat16
+HIDDEN, H, HKV, D, INTER = 1024, 16, 8, 128, 3072  # Qwen3-0.6B
 
 
-def compile_form(form: str, config):
-    block_m, block_n, block_k, warps, stages = config
+def launch(form: str, rows: int, config):
+    x, residual = torch.randn(rows, HIDDEN, dtype=BF), torch.randn(rows, HIDDEN, dtype=BF)
+    norm_weight = torch.ones(HIDDEN, dtype=BF)
     if form in ("qkv", "gate_up"):
-        constexprs = dict(K=1024, HAS_RESIDUAL=True, HAS_BIAS=False, SILU=form == "gate_up", WIDEN=False,
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-        return compile_sm90(ng._norm_gemm_kernel, GEMM_TYPES, constexprs, warps, stages, multiples_of_16=("N",))
-    fp8 = form == "rotate_fp8"
-    types = dict(ROTATE_TYPES, **({"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"} if fp8 else {}))
-    constexprs = dict(K=1024, HALF=64, HAS_RESIDUAL=True, HAS_BIAS=False, HEAD_NORM=True, FP8=fp8,
-                      FP8_MAX=448.0, WIDEN=False, BLOCK_M=block_m, BLOCK_K=block_k)
-    return compile_sm90(ng._norm_qkv_rotate_kernel, types, constexprs, warps, stages)
+        weight = torch.randn(2 * INTER if form == "gate_up" else (H + 2 * HKV) * D, HIDDEN, dtype=BF)
+        return ng.norm_gemm(x, residual, norm_weight, 1e-6, weight, silu=form == "gate_up", config=config)
+    cache_dtype = torch.float8_e4m3fn if form == "rotate_fp8" else BF
+    caches = [torch.zeros(4, 16, HKV, D, dtype=cache_dtype) for _ in range(2)]
+    head_norm = (torch.ones(D, dtype=BF), torch.ones(D, dtype=BF), 1e-6)
+    return ng.norm_qkv_rotate_store(x, residual, norm_weight, 1e-6, torch.randn((H + 2 * HKV) * D, HIDDEN, dtype=BF),
+                                    None, H, HKV, torch.zeros(rows, dtype=torch.int64), torch.ones(64, D // 2),
+                                    torch.zeros(64, D // 2), *caches, torch.zeros(rows, dtype=torch.int64),
+                                    head_norm=head_norm, config=config)
 
 
-@pytest.mark.parametrize("config", ng.CONFIGS)
+@pytest.mark.parametrize("rows,config", list(zip((16, 32, 64, 128, 256), ng.CONFIGS)))
 @pytest.mark.parametrize("form", ["qkv", "gate_up", "rotate", "rotate_fp8"])
-def test_shipped_tiles_compile_for_sm90_within_shared_memory_and_without_spills(form, config):
-    compiled = compile_form(form, config)
+def test_shipped_tiles_compile_for_sm90_pipelined_within_shared_memory_and_without_spills(
+        monkeypatch, form, rows, config):
+    monkeypatch.setattr(ng, "_widen", lambda x: x.dtype == torch.float32)  # the GPU's choice for bf16
+    with captured_launches() as launches:
+        launch(form, rows, config)
+    (compiled,) = [compile_sm90(one) for one in launches]
     assert compiled.shared <= SHARED_LIMIT, compiled
     assert compiled.spill_bytes == 0, compiled
-
-
-def test_the_loads_are_pipelined_when_compiled_as_the_jit_specializes():
-    """Without the JIT's alignment facts, Triton keeps every load synchronous (no shared-memory stages:
-    a memory-bound GEMM would wait out each load's latency); with them the weight tiles stream."""
-    import triton
-    from triton.compiler import ASTSource
-
-    from tests.triton_aot import SM90
-
-    block_m, block_n, block_k, warps, stages = ng.CONFIGS[0]
-    constexprs = dict(K=1024, HAS_RESIDUAL=True, HAS_BIAS=False, SILU=False, WIDEN=False,
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    fn = ng._norm_gemm_kernel
-    signature = {a: "constexpr" if a in constexprs else GEMM_TYPES[a] for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in constexprs and (GEMM_TYPES[a].startswith("*") or a == "N")}
-    counts = {}
-    for aligned in (False, True):
-        src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                        attrs=attrs if aligned else {})
-        kernel = triton.compile(src, target=SM90, options={"num_warps": warps, "num_stages": stages})
-        counts[aligned] = kernel.asm["ttgir"].count("async_copy_global_to_local")
-    assert counts[False] == 0 and counts[True] > 0, counts
+    assert compiled.async_copies > 0, compiled
