@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime import jit
+from triton.runtime.jit import JITFunction
 
 SM90 = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory a block may use on sm_90
@@ -36,6 +37,16 @@ class Launch:
     fn: JITFunction
     args: tuple
     kwargs: dict
+
+
+def unsupported() -> str | None:
+    """Why this Triton cannot be used here (None: it can): the JIT internals used to specialize a
+    launch as the JIT does are Triton 3.9's, and the ptxas must be in its wheel."""
+    if not hasattr(jit, "create_function_from_signature") or not hasattr(JITFunction, "_pack_args"):
+        return f"Triton {triton.__version__} lacks the JIT internals tests/triton_aot.py uses (3.9's)"
+    if ptxas() is None:
+        return f"Triton {triton.__version__} has no bundled ptxas"
+    return None
 
 
 def ptxas() -> str | None:
@@ -65,7 +76,7 @@ def captured_launches():
 
 def compile_sm90(launch: Launch) -> Compiled:
     fn, backend = launch.fn, make_backend(SM90)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    binder = jit.create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=SM90, options=options.__dict__)

@@ -10,9 +10,9 @@ test_norm_gemm_sm90.py."""
 import pytest
 import torch
 
-from tests.triton_aot import SHARED_LIMIT, captured_launches, compile_sm90, ptxas
+from tests.triton_aot import SHARED_LIMIT, captured_launches, compile_sm90, unsupported
 
-pytestmark = pytest.mark.skipif(ptxas() is None, reason="this Triton has no bundled ptxas")
+pytestmark = pytest.mark.skipif(unsupported() is not None, reason=str(unsupported()))
 
 BF, FP8 = torch.bfloat16, torch.float8_e4m3fn
 T, H, HKV, D, HIDDEN = 256, 16, 8, 128, 1024  # a decode step of Qwen3-0.6B

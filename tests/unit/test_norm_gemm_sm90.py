@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvmesh.kernels import norm_gemm as ng
-from tests.triton_aot import SHARED_LIMIT, captured_launches, compile_sm90, ptxas
+from tests.triton_aot import SHARED_LIMIT, captured_launches, compile_sm90, unsupported
 
-pytestmark = pytest.mark.skipif(ptxas() is None, reason="this Triton has no bundled ptxas")
+pytestmark = pytest.mark.skipif(unsupported() is not None, reason=str(unsupported()))
 
 BF = torch.bfloat16
 HIDDEN, H, HKV, D, INTER = 1024, 16, 8, 128, 3072  # Qwen3-0.6B
