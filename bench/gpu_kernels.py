@@ -372,24 +372,12 @@ def norm_gemm_rows():
                        weight_us_at_copy=w.numel() * 2 / bw * 1e6)
             candidates = [config_for(tokens)] + [c for c in SWEEP if c[0] <= max(16, 2 * tokens)
                                                  and c != config_for(tokens)]
-            best = None
-            for config in candidates:
-                run = lambda: norm_gemm(x, residual, norm_weight, 1e-6, w, silu=silu, config=config)  # noqa: E731
-                try:
-                    err = ((run()[0].float() - ref).abs().max() / ref.abs().max()).item()
-                except triton.runtime.errors.OutOfResources:  # the tiles' stages exceed shared memory
-                    continue
-                hot, cold = timed(run)
-                if config == candidates[0]:
-                    row.update(shipped=list(config), shipped_hot_us=hot, shipped_cold_us=cold, shipped_rel_err=err)
-                if best is None or cold < best[1]:
-                    best = (config, cold, hot, err)
-            row.update(best=list(best[0]), best_cold_us=best[1], best_hot_us=best[2], best_rel_err=best[3])
+            sweep_tiles(row, candidates, ref, timed,
+                        lambda config: norm_gemm(x, residual, norm_weight, 1e-6, w, silu=silu, config=config)[0])  # noqa: B023
             rows.append(row)
             print(f"tokens {tokens:4d} {name:8s} separate {sep_cold:5.1f} us cold ({sep_hot:5.1f} in L2) | "
                   f"one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) tiles {config_for(tokens)} | "
-                  f"best {best[1]:5.1f} ({best[2]:5.1f}) tiles {tuple(best[0])} err {best[3]:.1e} | "
-                  f"weight at copy rate {row['weight_us_at_copy']:.1f}", flush=True)
+                  f"{best_line(row)} | weight at copy rate {row['weight_us_at_copy']:.1f}", flush=True)
         rows.append(rotation_row(tokens, x, residual, norm_weight, weights["qkv"], timed))
     save_rows(bw, rows)
 
@@ -433,25 +421,37 @@ def rotation_row(tokens, x, residual, norm_weight, weight, timed):
     row = dict(tokens=tokens, gemm="qkv_rotate")
     row["separate_hot_us"], row["separate_cold_us"] = timed(separate)
     row["two_hot_us"], row["two_cold_us"] = timed(two)
-    best = None
     # the rotation form's BLOCK_N is the half head: the sweep's other fields, each once
     rotation_sweep = {(c[0], 64, c[2], c[3], c[4]) for c in SWEEP if c[0] <= max(16, 2 * tokens)}
-    for config in [config_for(tokens)] + sorted(rotation_sweep - {config_for(tokens)}):
-        try:
-            err = ((one(config).float() - ref).abs().max() / ref.abs().max()).item()
-        except triton.runtime.errors.OutOfResources:
-            continue
-        hot, cold = timed(lambda: one(config))  # noqa: B023
-        if config == config_for(tokens):
-            row.update(shipped_hot_us=hot, shipped_cold_us=cold, shipped_rel_err=err)
-        if best is None or cold < best[1]:
-            best = (config, cold, hot, err)
-    row.update(best=list(best[0]), best_cold_us=best[1], best_hot_us=best[2], best_rel_err=best[3])
+    sweep_tiles(row, [config_for(tokens)] + sorted(rotation_sweep - {config_for(tokens)}), ref, timed, one)
     print(f"tokens {tokens:4d} qkv+rotation: separate {row['separate_cold_us']:5.1f} us cold "
           f"({row['separate_hot_us']:5.1f} in L2) | norm_gemm + rotate_and_store {row['two_cold_us']:5.1f} "
           f"({row['two_hot_us']:5.1f}) | one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) | "
-          f"best {best[1]:5.1f} ({best[2]:5.1f}) tiles {tuple(best[0])} err {best[3]:.1e}", flush=True)
+          f"{best_line(row)}", flush=True)
     return row
+
+
+def sweep_tiles(row: dict, candidates: list, ref: torch.Tensor, timed, run) -> None:
+    """run(config) for each candidate tile set (the first: the shipped one) against ref, timed as
+    timed(fn) -> (us in L2, us L2 flushed): the shipped tiles' and the fastest (flushed) into row.
+    Tiles whose stages exceed the shared memory are passed over."""
+    best = None
+    for config in candidates:
+        try:
+            err = ((run(config).float() - ref).abs().max() / ref.abs().max()).item()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        hot, cold = timed(lambda: run(config))  # noqa: B023
+        if config == candidates[0]:
+            row.update(shipped=list(config), shipped_hot_us=hot, shipped_cold_us=cold, shipped_rel_err=err)
+        if best is None or cold < best[1]:
+            best = (config, cold, hot, err)
+    row.update(best=list(best[0]), best_cold_us=best[1], best_hot_us=best[2], best_rel_err=best[3])
+
+
+def best_line(row: dict) -> str:
+    return (f"best {row['best_cold_us']:5.1f} ({row['best_hot_us']:5.1f}) tiles {tuple(row['best'])} "
+            f"err {row['best_rel_err']:.1e}")
 
 
 if __name__ == "__main__":

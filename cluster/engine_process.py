@@ -189,17 +189,16 @@ def main(conn: Connection) -> int:
         return 1
     conn.send(core.ready())
     sender = Sender(conn) if SENDER else None
+    send = sender.send if sender is not None else conn.send
     try:
-        core.run(lambda timeout_s: conn.recv() if conn.poll(timeout_s) else None,
-                 sender.send if sender is not None else conn.send)
+        core.run(lambda timeout_s: conn.recv() if conn.poll(timeout_s) else None, send)
         core.engine.close()  # its tensor-parallel ranks, if any
         return 0
     except (EOFError, OSError):  # the replica is gone (the ranks, daemon processes, end with this one)
         return 0
     except BaseException:
-        failed = Failed(traceback.format_exc())
         try:
-            sender.send(failed) if sender is not None else conn.send(failed)
+            send(Failed(traceback.format_exc()))
         except OSError:
             pass
         return 1

@@ -144,8 +144,10 @@ def _norm_qkv_rotate_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, q_out, 
     x2 = y2.to(dtype).to(tl.float32)
     mask = row_mask[:, None]
     kv_head = head - num_q_heads
+    # K / V go to the cache row of each token's slot; a negative slot is CUDA-graph padding
     slot = tl.load(slot_mapping + rows, mask=row_mask, other=-1).to(tl.int64)
     cache_at = (slot * num_kv_heads * 2 * HALF)[:, None] + half[None, :]  # + the KV head's offset
+    stored = mask & (slot >= 0)[:, None]
     if head < num_q_heads + num_kv_heads:  # q or k: Qwen3's head norm, then the rotation
         if HEAD_NORM:  # as kvmesh.kernels.rotary: normed, rounded, weighted, rounded
             if head < num_q_heads:
@@ -166,15 +168,13 @@ def _norm_qkv_rotate_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, q_out, 
             at = (rows.to(tl.int64) * num_q_heads + head)[:, None] * 2 * HALF + half[None, :]
             tl.store(q_out + at, r1, mask=mask)
             tl.store(q_out + at + HALF, r2, mask=mask)
-        else:  # into the cache row of each token's slot; a negative slot is CUDA-graph padding
+        else:
             at = cache_at + kv_head * 2 * HALF
-            stored = mask & (slot >= 0)[:, None]
             cdt = k_cache.dtype.element_ty
             tl.store(k_cache + at, cache_value(r1, k_inv_scale, FP8, FP8_MAX, cdt), mask=stored)
             tl.store(k_cache + at + HALF, cache_value(r2, k_inv_scale, FP8, FP8_MAX, cdt), mask=stored)
     else:
         at = cache_at + (kv_head - num_kv_heads) * 2 * HALF
-        stored = mask & (slot >= 0)[:, None]
         cdt = v_cache.dtype.element_ty
         tl.store(v_cache + at, cache_value(x1.to(dtype), v_inv_scale, FP8, FP8_MAX, cdt), mask=stored)
         tl.store(v_cache + at + HALF, cache_value(x2.to(dtype), v_inv_scale, FP8, FP8_MAX, cdt), mask=stored)
@@ -209,15 +209,8 @@ def norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     """(rms_norm(x + residual) @ weight^T (+ bias), then silu(gate) * up if `silu`; x + residual),
     for contiguous [M, K] x and residual (None: x is the stream, as a decoder's first layer) of one
     dtype, norm_weight [K] and weight [N, K] (with `silu` [2 I, K], giving [M, I]) of that dtype."""
-    assert x.dim() == 2 and x.is_contiguous() and weight.is_contiguous(), "contiguous rows"
+    _check_operands(x, residual, norm_weight, weight)
     rows, k = x.shape
-    assert weight.shape[1] == k and norm_weight.shape == (k,), "shapes"
-    assert weight.dtype == norm_weight.dtype == x.dtype, "one dtype"
-    # WIDEN (_widen): the MMA's operands in float32, for float32 inputs and on the CPU (Triton's interpreter,
-    # whose bf16 dot multiplies the raw bits); bf16 products are exact in float32, so only the order
-    # of the sums can differ from the GPU's bf16 MMA with its float32 accumulator
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     assert not (silu and bias is not None), "gate_up has no bias"
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -234,7 +227,19 @@ def norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     return out, total
 
 
+def _check_operands(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    weight: torch.Tensor) -> None:
+    assert x.dim() == 2 and x.is_contiguous() and weight.is_contiguous(), "contiguous rows"
+    assert weight.shape[1] == x.shape[1] and norm_weight.shape == (x.shape[1],), "shapes"
+    assert weight.dtype == norm_weight.dtype == x.dtype, "one dtype"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+
+
 def _widen(x: torch.Tensor) -> bool:
+    """The MMA's operands in float32: for float32 inputs, and on the CPU (Triton's interpreter, whose
+    bf16 dot multiplies the raw bits); bf16 products are exact in float32, so only the order of the
+    sums can differ from the GPU's bf16 MMA with its float32 accumulator."""
     return x.dtype == torch.float32 or not x.is_cuda
 
 
@@ -258,18 +263,15 @@ def norm_qkv_rotate_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w
     [max_positions, D / 2] float32), K and V into the paged caches at slot_mapping. Returns (the
     rotated q [M, H, D], x + residual). A program computes one head of a row tile; config's BLOCK_M,
     BLOCK_K, warps and stages are used, its BLOCK_N is the half head."""
-    assert x.dim() == 2 and x.is_contiguous() and weight.is_contiguous(), "contiguous rows"
+    _check_operands(x, residual, norm_weight, weight)
     rows, k = x.shape
     heads = num_q_heads + 2 * num_kv_heads
     head_dim = weight.shape[0] // heads
     half = head_dim // 2
-    assert weight.shape == (heads * head_dim, k) and norm_weight.shape == (k,), "shapes"
-    assert weight.dtype == norm_weight.dtype == x.dtype, "one dtype"
+    assert weight.shape[0] == heads * head_dim, "shapes"
     assert fits_rotation(head_dim, x), "head_dim / 2 must be a power of two (on a GPU at least 16: tl.dot's least N)"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim), "cache heads / head_dim"
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     q = torch.empty(rows, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
     if rows:

@@ -21,11 +21,12 @@ SCRIPT = textwrap.dedent("""
     import json, torch
     import torch.nn.functional as F
     from kvmesh.kernels.norm_gemm import norm_gemm, config_for
+    from kvmesh.worker.layers.norm import RMSNorm
 
-    def unfused(x, r, nw, eps, w, b, silu):
-        total = x if r is None else x + r
-        t = total.float()
-        normed = nw * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    def unfused(x, r, nw, eps, w, b, silu):  # the decoder's layers on the CPU (torch)
+        norm = RMSNorm(x.shape[1], eps).to(x.dtype)
+        norm.weight.data = nw
+        normed, total = norm(x, r) if r is not None else (norm(x), x)
         y = F.linear(normed, w, b)
         if silu:
             gate, up = y.chunk(2, dim=-1)
