@@ -45,11 +45,13 @@ serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
 print("proxies started", flush=True)
 """
 
-# Whether the app's KV event hub is still an actor of the cluster.
+# Whether the app's KV event hub is still an actor of the cluster, and the Serve applications left.
 HUB_LEFT = """
 import sys
 import ray
+from ray import serve
 ray.init(address=sys.argv[1], logging_level="WARNING")
+print("apps:", sorted(serve.status().applications))
 try:
     ray.get_actor("kvmesh-kv-events-kvmesh", namespace="serve")
     print("hub: alive")
@@ -144,12 +146,14 @@ def test_kvmesh_serve_address_brings_the_hook_and_its_configs_settings(tmp_path,
             assert [p for p in listening_ports(proxies + ingress) if answers_kvmesh_grpc(p)] == []
             assert [p for p in listening_ports(ingress) if answers_http(p)] == []
             # SERVING.md: `kvmesh serve` removes the KV event hub when it stops, also on a Ray
-            # cluster it joined (the detached actor would outlive it there)
+            # cluster it joined (the detached actor would outlive it there); DEPLOY.md: joined with
+            # --address, it keeps the app while it runs and deletes it when it stops
             os.kill(namespace.child_of(serve.pid), signal.SIGINT)
             assert serve.wait(120) == 0, log.read_text()[-4000:]
             hub = subprocess.run(namespace.command([sys.executable, "-c", HUB_LEFT, gcs]), env=env,
                                  capture_output=True, text=True, timeout=180)
             assert hub.stdout.strip().endswith("hub: gone"), (hub.stdout, hub.stderr[-2000:])
+            assert "apps: []" in hub.stdout, (hub.stdout, hub.stderr[-2000:])
         finally:
             serve.kill()  # nsenter; the namespace's close ends what it started
             serve.wait(30)
