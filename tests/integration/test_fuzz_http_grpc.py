@@ -7,6 +7,8 @@ unknown fields, empty messages, stop lists of thousands of strings), plus hand-p
 Every answer is a 2xx or a 4xx whose error names the field (never a 5xx / INTERNAL), and after the
 storm (and every few dozen cases within it) the server still answers a fixed greedy request with
 exactly the text it gave before. Bounded: a fixed number of derandomized examples, no deadline.
+The worker runs its engine on a thread of the replica (`replicas.engine_process: false`), so the
+storm also covers that mode; the other cluster tests run the default engine process.
 """
 
 import json
@@ -20,7 +22,7 @@ from kvmesh.cluster.client import grpc_stream
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from cluster_support import MODEL, config_cluster, cpu_config
-from reliability_support import http
+from reliability_support import http, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +45,21 @@ HTTP_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_toke
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = cpu_config(limits={"max_output_tokens": MAX_OUTPUT, "max_body_bytes": 262144})
+    config = cpu_config(limits={"max_output_tokens": MAX_OUTPUT, "max_body_bytes": 262144},
+                        replicas={"engine_process": False})
     with config_cluster(tmp_path_factory, config) as c:
         yield c
+
+
+def test_engine_process_false_runs_the_engine_in_the_replica(cluster, reference_text):
+    """SERVING.md: `replicas.engine_process: false` runs the engine on a thread of the replica: the
+    worker's actor has no engine child process, and it serves (reference_text is its answer)."""
+    import psutil
+
+    (pid,) = worker_pids(cluster).values()
+    children = [" ".join(p.cmdline()) for p in psutil.Process(pid).children(recursive=True)]
+    assert not [c for c in children if "kvmesh.cluster.engine_process" in c], children
+    assert len(reference_text) > 0
 
 
 REFERENCE = {"model": MODEL, "prompt": "The reference prompt", "max_tokens": MAX_OUTPUT,
