@@ -106,7 +106,9 @@ def test_abort_acts_only_on_the_callers_own_labels(cluster):
     next(mine)
     assert grpc_call(cluster.grpc_target, "Abort", pb.AbortRequest(request_id="victim"),
                      api_key=KEY_A).found
-    assert list(mine)[-1].finish_reason == "abort"
+    last = list(mine)[-1]
+    # SERVING.md: worker_id is empty on a message the ingress made (an abort)
+    assert last.finish_reason == "abort" and last.worker_id == "", last
 
 
 def test_without_a_label_the_response_carries_the_servers_id(cluster):

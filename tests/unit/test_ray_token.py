@@ -24,10 +24,11 @@ def test_a_mode_or_token_the_user_set_is_respected(tmp_path, monkeypatch):
     environ = {"RAY_AUTH_MODE": "disabled"}
     enable_token_auth(environ)
     assert environ == {"RAY_AUTH_MODE": "disabled"}
-    environ = {"RAY_AUTH_TOKEN_PATH": "/somewhere/token"}
-    enable_token_auth(environ)
-    assert environ["RAY_AUTH_MODE"] == "token"
-    assert not (tmp_path / ".ray").exists()
+    for chosen in ({"RAY_AUTH_TOKEN_PATH": "/somewhere/token"}, {"RAY_AUTH_TOKEN": "t" * 64}):
+        environ = dict(chosen)
+        enable_token_auth(environ)
+        assert environ == {**chosen, "RAY_AUTH_MODE": "token"}
+        assert not (tmp_path / ".ray").exists()
 
 
 def test_a_token_file_other_users_can_read_is_named_in_a_warning(tmp_path, monkeypatch):
