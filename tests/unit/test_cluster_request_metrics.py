@@ -185,7 +185,8 @@ def test_a_hub_that_restarted_empty_has_every_running_replica_s_full_counts_afte
 
 class FlakyHub:
     """The hub's publish_ingress_metrics: each call answers the next outcome (raised if an
-    exception) after `latency_s`; `done` is set when the outcomes are used up."""
+    exception) after `latency_s`; `done` is set when the outcomes are used up, and a call after
+    that (the publisher's next, if the test is slow to cancel it) waits, recording nothing."""
 
     def __init__(self, outcomes: list, latency_s: float):
         self.outcomes, self.latency_s = list(outcomes), latency_s
@@ -197,6 +198,8 @@ class FlakyHub:
 
     async def remote(self, replica_id: str, samples: dict):
         assert replica_id == "a" and samples
+        if self.done.is_set():
+            await asyncio.Event().wait()  # until the test cancels the publisher
         self.starts.append(time.monotonic())
         self.others_at_call.append(self.metrics.others)
         await asyncio.sleep(self.latency_s)  # the round trip
