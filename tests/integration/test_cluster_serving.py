@@ -840,22 +840,18 @@ def test_kvmesh_client_streams_the_greedy_chat_answer_over_http_and_grpc(cluster
     expected = openai_client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6,
         temperature=0).choices[0].message.content
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    for where in (["--url", cluster.http_url + "/v1"], ["--grpc", "--target", cluster.grpc_target]):
-        run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", question,
-                              "--max-tokens", "6", *where], capture_output=True, timeout=120, env=env)
-        assert run.returncode == 0, run.stderr.decode(errors="replace")
-        assert run.stdout.decode() == expected + "\n", where
-        assert b"finish_reason=" in run.stderr
     # --raw sends the prompt as is (no chat template): the completions API's text
     raw_expected = openai_client.completions.create(model=MODEL, prompt=question, max_tokens=6,
                                                     temperature=0).choices[0].text
     assert raw_expected != expected
-    for where in (["--url", cluster.http_url + "/v1"], ["--grpc", "--target", cluster.grpc_target]):
-        run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", question, "--raw",
-                              "--max-tokens", "6", *where], capture_output=True, timeout=120, env=env)
-        assert run.returncode == 0, run.stderr.decode(errors="replace")
-        assert run.stdout.decode() == raw_expected + "\n", where
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    for flags, want in (([], expected), (["--raw"], raw_expected)):
+        for where in (["--url", cluster.http_url + "/v1"], ["--grpc", "--target", cluster.grpc_target]):
+            run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", question, *flags,
+                                  "--max-tokens", "6", *where], capture_output=True, timeout=120, env=env)
+            assert run.returncode == 0, run.stderr.decode(errors="replace")
+            assert run.stdout.decode() == want + "\n", (flags, where)
+            assert b"finish_reason=" in run.stderr
 
 
 def test_kvmesh_status_prints_the_health_the_model_and_the_workers(cluster):
