@@ -18,13 +18,7 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        library), as CUDA-graph replays against the copy rate over the weights' bytes, each against
        a float32 product
      PYTHONPATH=. python3 bench/gpu_kernels.py --gemm-cold $OUT/gemm_cold.json   a layer's four GEMMs
-       with their weights in L2 against L2 flushed before each (as between a decode step's layers)
-     PYTHONPATH=. python3 bench/gpu_kernels.py --norm-gemm $OUT/norm_gemm.json   a layer's add +
-       RMSNorm + qkv GEMM and add + RMSNorm + gate_up GEMM + SiLU-and-mul as the separate launches
-       and as one (kernels/norm_gemm.py), and the qkv pair with the rotation and KV store after it as
-       three launches, two and one (norm_qkv_rotate_store), by tokens per step, L2 flushed before each (and in L2), with
-       the kernel's shipped tiles and the fastest of a sweep; each against the separate launches'
-       output"""
+       with their weights in L2 against L2 flushed before each (as between a decode step's layers)"""
 
 import importlib.util
 import json
@@ -332,129 +326,7 @@ def gemm_cold():
     save_rows(bw, rows)
 
 
-def norm_gemm_rows():
-    """The two norm-and-GEMM pairs of a Qwen3-0.6B layer: the separate launches against
-    kvmesh.kernels.norm_gemm, with its tiles for the row count (`config_for`) and a sweep."""
-    import torch.nn.functional as F
-
-    from kvmesh.kernels.norm_gemm import SWEEP, config_for, norm_gemm
-    from kvmesh.kernels.rms_norm import add_rms_norm
-    from kvmesh.kernels.silu_and_mul import silu_and_mul
-
-    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
-    hidden = 1024
-    weights = {"qkv": torch.randn(4096, hidden, device="cuda", dtype=torch.bfloat16) / 32,
-               "gate_up": torch.randn(6144, hidden, device="cuda", dtype=torch.bfloat16) / 32}
-    norm_weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    flush_ms = triton.testing.do_bench_cudagraph(lambda: flush.fill_(1), rep=50, return_mode="median")
-
-    def timed(run):
-        hot = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
-        both = triton.testing.do_bench_cudagraph(lambda: (flush.fill_(1), run()), rep=30, return_mode="median")
-        return hot * 1e3, (both - flush_ms) * 1e3
-
-    rows = []
-    for tokens in (1, 8, 32, 64, 128, 256):
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        residual = torch.randn_like(x)
-        for name, w in weights.items():
-            silu = name == "gate_up"
-
-            def separate():
-                normed, total = add_rms_norm(x, residual, norm_weight, 1e-6)
-                y = F.linear(normed, w)
-                return silu_and_mul(y) if silu else y
-
-            ref = separate().float()
-            sep_hot, sep_cold = timed(separate)
-            row = dict(tokens=tokens, gemm=name, separate_hot_us=sep_hot, separate_cold_us=sep_cold,
-                       weight_us_at_copy=w.numel() * 2 / bw * 1e6)
-            candidates = [config_for(tokens)] + [c for c in SWEEP if c[0] <= max(16, 2 * tokens)
-                                                 and c != config_for(tokens)]
-            sweep_tiles(row, candidates, ref, timed,
-                        lambda config: norm_gemm(x, residual, norm_weight, 1e-6, w, silu=silu, config=config)[0])  # noqa: B023
-            rows.append(row)
-            print(f"tokens {tokens:4d} {name:8s} separate {sep_cold:5.1f} us cold ({sep_hot:5.1f} in L2) | "
-                  f"one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) tiles {config_for(tokens)} | "
-                  f"{best_line(row)} | weight at copy rate {row['weight_us_at_copy']:.1f}", flush=True)
-        rows.append(rotation_row(tokens, x, residual, norm_weight, weights["qkv"], timed))
-    save_rows(bw, rows)
-
-
-def rotation_row(tokens, x, residual, norm_weight, weight, timed):
-    """add + RMSNorm, the qkv GEMM, then Qwen3's head norms + rotation + KV store: as three launches,
-    as norm_gemm + rotate_and_store, and as norm_qkv_rotate_store (tiles swept)."""
-    import torch.nn.functional as F
-
-    from kvmesh.kernels.norm_gemm import SWEEP, config_for, norm_gemm, norm_qkv_rotate_store
-    from kvmesh.kernels.rms_norm import add_rms_norm
-    from kvmesh.kernels.rotary import rotate_and_store
-    from kvmesh.worker.layers.rotary import RotaryEmbedding
-    from kvmesh.worker.presets import hf_config_for
-
-    h, hkv, d = 16, 8, 128
-    rotary = RotaryEmbedding(hf_config_for("qwen3-0.6b"), d, 4096).cuda()
-    positions = torch.randint(0, 4096, (tokens,), device="cuda")
-    slots = torch.randperm(256 * 16, device="cuda")[:tokens]
-    caches = [torch.zeros(256, 16, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    head_norm = (torch.ones(d, device="cuda", dtype=torch.bfloat16),) * 2 + (1e-6,)
-
-    def split(qkv):
-        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-        return q.view(tokens, h, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
-
-    def separate():
-        normed, _ = add_rms_norm(x, residual, norm_weight, 1e-6)
-        return rotate_and_store(positions, *split(F.linear(normed, weight)), rotary.cos, rotary.sin, *caches,
-                                slots, norm=head_norm)
-
-    def two():
-        qkv, _ = norm_gemm(x, residual, norm_weight, 1e-6, weight)
-        return rotate_and_store(positions, *split(qkv), rotary.cos, rotary.sin, *caches, slots, norm=head_norm)
-
-    def one(config=None):
-        return norm_qkv_rotate_store(x, residual, norm_weight, 1e-6, weight, None, h, hkv, positions, rotary.cos,
-                                     rotary.sin, *caches, slots, head_norm=head_norm, config=config)[0]
-
-    ref = separate().float()
-    row = dict(tokens=tokens, gemm="qkv_rotate")
-    row["separate_hot_us"], row["separate_cold_us"] = timed(separate)
-    row["two_hot_us"], row["two_cold_us"] = timed(two)
-    # the rotation form's BLOCK_N is the half head: the sweep's other fields, each once
-    rotation_sweep = {(c[0], 64, c[2], c[3], c[4]) for c in SWEEP if c[0] <= max(16, 2 * tokens)}
-    sweep_tiles(row, [config_for(tokens)] + sorted(rotation_sweep - {config_for(tokens)}), ref, timed, one)
-    print(f"tokens {tokens:4d} qkv+rotation: separate {row['separate_cold_us']:5.1f} us cold "
-          f"({row['separate_hot_us']:5.1f} in L2) | norm_gemm + rotate_and_store {row['two_cold_us']:5.1f} "
-          f"({row['two_hot_us']:5.1f}) | one launch {row['shipped_cold_us']:5.1f} ({row['shipped_hot_us']:5.1f}) | "
-          f"{best_line(row)}", flush=True)
-    return row
-
-
-def sweep_tiles(row: dict, candidates: list, ref: torch.Tensor, timed, run) -> None:
-    """run(config) for each candidate tile set (the first: the shipped one) against ref, timed as
-    timed(fn) -> (us in L2, us L2 flushed): the shipped tiles' and the fastest (flushed) into row.
-    Tiles whose stages exceed the shared memory are passed over."""
-    best = None
-    for config in candidates:
-        try:
-            err = ((run(config).float() - ref).abs().max() / ref.abs().max()).item()
-        except triton.runtime.errors.OutOfResources:
-            continue
-        hot, cold = timed(lambda: run(config))  # noqa: B023
-        if config == candidates[0]:
-            row.update(shipped=list(config), shipped_hot_us=hot, shipped_cold_us=cold, shipped_rel_err=err)
-        if best is None or cold < best[1]:
-            best = (config, cold, hot, err)
-    row.update(best=list(best[0]), best_cold_us=best[1], best_hot_us=best[2], best_rel_err=best[3])
-
-
-def best_line(row: dict) -> str:
-    return (f"best {row['best_cold_us']:5.1f} ({row['best_hot_us']:5.1f}) tiles {tuple(row['best'])} "
-            f"err {row['best_rel_err']:.1e}")
-
-
 if __name__ == "__main__":
     modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick,
-             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold, "--norm-gemm": norm_gemm_rows}
+             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

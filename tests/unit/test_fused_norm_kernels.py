@@ -121,8 +121,7 @@ def test_fused_kernels_match_the_torch_layers_in_float32(result):
 
 
 @pytest.mark.parametrize("variable,flag", [("KVMESH_FUSED_NORMS", "FUSE_NORMS"),
-                                           ("KVMESH_FUSED_KV_STORE", "FUSE_KV_STORE"),
-                                           ("KVMESH_NORM_GEMM_ROTATE", "NORM_GEMM_ROTATE")])
+                                           ("KVMESH_FUSED_KV_STORE", "FUSE_KV_STORE")])
 @pytest.mark.parametrize("value,fused", [(None, True), ("1", True), ("0", False)])
 def test_the_fusion_switches_set_to_0_keep_the_kernels_apart(variable, flag, value, fused):
     """The A/B switches docs/PERF.md names: read once when the layers' module is imported."""

@@ -4,8 +4,7 @@ decode steps of 256 sequences, prompt steps of 4,096 tokens, bf16 and FP8 KV cac
 (flash_attn) and 16 (triton). Each launch compiles for sm_90, fits the shared memory and spills no
 register. A kernel change that only a GPU's compiler would reject fails here, on the CPU, before a
 GPU call. Triton's version here may differ from the GPU machine's (a check of the kernel's form);
-what the kernels compute is tested under the interpreter and on the GPU. norm_gemm's tiles:
-test_norm_gemm_sm90.py."""
+what the kernels compute is tested under the interpreter and on the GPU."""
 
 import pytest
 import torch

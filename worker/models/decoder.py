@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.attention.base import get_forward_context
-from kvmesh.worker.layers.kernels import (FUSE_KV_STORE, FUSE_NORMS, NORM_GEMM_MAX_TOKENS, NORM_GEMM_ROTATE,
-                                          use_kernels)
+from kvmesh.worker.layers.kernels import FUSE_KV_STORE, FUSE_NORMS, use_kernels
 from kvmesh.worker.layers.norm import RMSNorm
 from kvmesh.worker.layers.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding)
@@ -41,13 +40,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding):
-        """q [T, H, D], k and v [T, Hkv, D] from the qkv projection's output [T, (H + 2 Hkv) D]: split,
-        normed (Qwen3) and rotated. With the GPU kernels the rotation's launch also writes k and v into
-        this layer's KV cache, and they come back None: the attention backend then only reads the
-        cache."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding):
+        """q [T, H, D], k and v [T, Hkv, D]: projected, normed (Qwen3) and rotated. With the GPU
+        kernels the rotation's launch also writes k and v into this layer's KV cache, and they come
+        back None: the attention backend then only reads the cache."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,7 +56,7 @@ class Attention(nn.Module):
             return q, k, v
         norm = None  # Qwen3's q / k norms inside the rotation's launch (kvmesh.kernels.rotary)
         if self.q_norm is not None:
-            if self._head_norms_fuse(q.dtype):
+            if FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == q.dtype:
                 norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -76,31 +74,6 @@ class Attention(nn.Module):
         else:
             q, k = rotary(positions, q, k)
         return q, k, v
-
-    def _head_norms_fuse(self, dtype: torch.dtype) -> bool:
-        return FUSE_NORMS and self.q_norm.weight.dtype == self.k_norm.weight.dtype == dtype
-
-    def rotation_joins_gemm(self, hidden: torch.Tensor) -> bool:
-        """Whether norm_project_store takes this layer's step: the rotation stores K / V (as project's
-        GPU path) and its Qwen3 head norms, if any, fuse."""
-        from kvmesh.kernels.norm_gemm import fits_rotation
-
-        return (NORM_GEMM_ROTATE and FUSE_KV_STORE and fits_rotation(self.head_dim, hidden)
-                and (self.q_norm is None or self._head_norms_fuse(hidden.dtype)))
-
-    def norm_project_store(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [T, H, D], the residual stream) from the layer's input in one launch
-        (kvmesh.kernels.norm_gemm.norm_qkv_rotate_store): the input norm with its residual add, the
-        qkv projection, Qwen3's head norms, the rotation, and K / V into this layer's cache."""
-        from kvmesh.kernels.norm_gemm import norm_qkv_rotate_store
-
-        ctx, (k_cache, v_cache), (k_scale, v_scale) = self._layer_cache()
-        head_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return norm_qkv_rotate_store(hidden, residual, norm.weight, norm.eps, self.qkv_proj.weight,
-                                     self.qkv_proj.bias, self.num_heads, self.num_kv_heads, positions,
-                                     rotary.cos, rotary.sin, k_cache, v_cache, ctx.metadata.slot_mapping,
-                                     k_scale, v_scale, head_norm=head_norm)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention backend over the paged KV cache (writes k and v into it unless the rotation
@@ -143,58 +116,20 @@ class DecoderLayer(nn.Module):
     # unadded, and the next norm adds it. The layer's work outside attention is two regions,
     # before and after it, that torch.compile can take whole (worker/compile.py).
     def before_attention(self, positions, hidden, residual, rotary):
-        qkv_proj = self.self_attn.qkv_proj
-        if _norm_gemm_fits(hidden, residual, self.input_layernorm, qkv_proj):
-            if self.self_attn.rotation_joins_gemm(hidden):  # one launch up to the attention
-                q, residual = self.self_attn.norm_project_store(positions, hidden, residual,
-                                                                self.input_layernorm, rotary)
-                return q, None, None, residual
-            from kvmesh.kernels.norm_gemm import norm_gemm
-
-            qkv, residual = norm_gemm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps,
-                                      qkv_proj.weight, qkv_proj.bias)
+        if residual is None:  # the first layer: the embeddings are the stream
+            residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            if residual is None:  # the first layer: the embeddings are the stream
-                residual, hidden = hidden, self.input_layernorm(hidden)
-            else:
-                hidden, residual = self.input_layernorm(hidden, residual)
-            qkv = qkv_proj(hidden)
-        q, k, v = self.self_attn.project(positions, qkv, rotary)
+            hidden, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.self_attn.project(positions, hidden, rotary)
         return q, k, v, residual
 
     def after_attention(self, attn_out, residual):
-        out = self.self_attn.o_proj(attn_out)
-        norm = self.post_attention_layernorm
-        if isinstance(self.mlp, MLP) and _norm_gemm_fits(out, residual, norm, self.mlp.gate_up_proj):
-            from kvmesh.kernels.norm_gemm import norm_gemm
-
-            act, residual = norm_gemm(out, residual, norm.weight, norm.eps, self.mlp.gate_up_proj.weight,
-                                      silu=True)
-            return self.mlp.down_proj(act), residual
-        hidden, residual = norm(out, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
     def forward(self, positions, hidden, residual, rotary):
         q, k, v, residual = self.before_attention(positions, hidden, residual, rotary)
         return self.after_attention(self.self_attn.attend(q, k, v), residual)
-
-
-def _norm_gemm_fits(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                    linear: ColumnParallelLinear) -> bool:
-    """Whether `norm` (with the residual add) and `linear` after it run as one launch
-    (kvmesh.kernels.norm_gemm): a GPU step of at most NORM_GEMM_MAX_TOKENS tokens, with the norm, the
-    stream and the layer's unquantized weight in one dtype."""
-    return (use_kernels(x) and 0 < x.shape[0] <= NORM_GEMM_MAX_TOKENS
-            and _norm_gemm_takes(x, residual, norm, linear))
-
-
-def _norm_gemm_takes(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                     linear: ColumnParallelLinear) -> bool:
-    """Whether the kernel takes these operands (on any device; tests run it on the CPU under Triton's
-    interpreter through this)."""
-    return (linear.weight_scale is None and x.dim() == 2 and x.is_contiguous()
-            and x.dtype == norm.weight.dtype == linear.weight.dtype
-            and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)))
 
 
 class DecoderBody(nn.Module):
