@@ -1,6 +1,7 @@
 """A loopback server that speaks the part of the Hugging Face hub's HTTP API that
 `huggingface_hub.snapshot_download` uses: repository info at a revision, the file tree, and file
-downloads (`/resolve/`), with commit, ETag and size headers; repositories may require a token.
+downloads (`/resolve/`), with commit, ETag and size headers; repositories may require a token and
+may hold other revisions (a branch or tag name with its own files and commit) beside main.
 Every request is logged, so a test can see what was fetched."""
 
 import hashlib
@@ -13,7 +14,8 @@ from urllib.parse import unquote, urlsplit
 
 class FakeHub:
     def __init__(self):
-        self.repos: dict[str, dict] = {}  # repo id -> {"sha", "files": {path: bytes}, "token"}
+        self.repos: dict[str, dict] = {}  # repo id -> {"sha", "files": {path: bytes}, "token"} (main)
+        self.revisions: dict[tuple[str, str], dict] = {}  # (repo id, branch or tag) -> {"sha", "files"}
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -29,6 +31,20 @@ class FakeHub:
         sha = hashlib.sha1(repo_id.encode() + b"".join(files.values())).hexdigest()
         self.repos[repo_id] = {"sha": sha, "files": files, "token": token}
         return sha
+
+    def add_revision(self, repo_id: str, revision: str, folder: Path) -> str:
+        """Another branch or tag of an added repository, holding `folder`'s files."""
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        sha = hashlib.sha1(repo_id.encode() + revision.encode() + b"".join(files.values())).hexdigest()
+        self.revisions[(repo_id, revision)] = {"sha": sha, "files": files}
+        return sha
+
+    def _at(self, repo_id: str, repo: dict, revision: str) -> dict | None:
+        """The repository's files at a branch, tag or commit: main's, or an added revision's."""
+        if revision in ("main", repo["sha"]):
+            return repo
+        return next((r for (rid, name), r in self.revisions.items()
+                     if rid == repo_id and revision in (name, r["sha"])), None)
 
     def downloads(self) -> list[str]:
         """Files fetched with GET /resolve/, in order."""
@@ -66,6 +82,9 @@ class FakeHub:
                     repo = self._repo(repo_id)
                     if repo is None:
                         return
+                    repo = hub._at(repo_id, repo, rest[0])
+                    if repo is None:
+                        return self._error(404, "RevisionNotFound", f"Invalid rev id: {rest[0]}")
                     if kind == "revision":
                         return self._json({"id": repo_id, "modelId": repo_id, "sha": repo["sha"], "private": False,
                                            "siblings": [{"rfilename": f} for f in repo["files"]]}, body)
@@ -75,6 +94,9 @@ class FakeHub:
                     repo = self._repo("/".join(parts[:2]))
                     if repo is None:
                         return
+                    repo = hub._at("/".join(parts[:2]), repo, parts[3])
+                    if repo is None:
+                        return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[3]}")
                     name = "/".join(parts[4:])
                     if name not in repo["files"]:
                         return self._error(404, "EntryNotFound", f"{name} not found")

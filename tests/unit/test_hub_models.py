@@ -83,6 +83,37 @@ def test_an_unknown_repository_and_an_offline_cache_miss_say_what_to_do(hub, mon
         resolve_model("acme/tiny-llama")
 
 
+def test_a_revision_after_the_at_sign_fetches_that_branch_s_files(hub, tiny_model, tmp_path):
+    """DEPLOY.md: `org/name@revision` (a branch, tag or commit) fetches that revision, not main."""
+    other = tmp_path / "v2"
+    save_hf_dir(other, "tiny-llama", seed=11)
+    sha = hub.add_revision("acme/tiny-llama", "v2", other)
+    main_source, v2 = resolve_model("acme/tiny-llama"), resolve_model("acme/tiny-llama@v2")
+    assert v2.name == "acme/tiny-llama" and v2.path.name == sha  # the snapshot of v2's commit
+    weights = (v2.path / "model.safetensors").read_bytes()
+    assert weights == (other / "model.safetensors").read_bytes()
+    assert weights != (main_source.path / "model.safetensors").read_bytes()
+    assert any(path == "/api/models/acme/tiny-llama/revision/v2" for _, path, _ in hub.requests)
+    with pytest.raises(ValueError, match="acme/tiny-llama@v3"):
+        resolve_model("acme/tiny-llama@v3")
+
+
+def test_a_cached_model_loads_under_hf_hub_offline_without_asking_the_hub(hub, tiny_model, monkeypatch):
+    """DEPLOY.md: HF_HUB_OFFLINE=1 applies: a model fetched once loads from the cache alone."""
+    fetched = resolve_model("acme/tiny-llama")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    asked = len(hub.requests)
+    offline = resolve_model("acme/tiny-llama")
+    assert offline.path == fetched.path
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    out = LLM(model="acme/tiny-llama", device="cpu").generate(prompt_token_ids=[[5, 17, 42, 9]],
+                                                               sampling_params=params, use_tqdm=False)[0]
+    assert len(hub.requests) == asked, hub.requests[asked:]  # not one request reached the hub
+    local = LLM(model=str(tiny_model), device="cpu").generate(prompt_token_ids=[[5, 17, 42, 9]],
+                                                              sampling_params=params, use_tqdm=False)[0]
+    assert out.token_ids == local.token_ids
+
+
 def test_kvmesh_fetch_prints_the_directory_to_serve(hub, tmp_path, capsys):
     assert main(["fetch", "acme/tiny-llama", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
