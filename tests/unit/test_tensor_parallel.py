@@ -232,6 +232,34 @@ def test_a_follower_exits_when_rank_0_is_killed():
     follower.wait(timeout=30)  # psutil.TimeoutExpired if it lingers
 
 
+def test_a_follower_that_dies_is_an_error_at_rank_0s_next_step():
+    """SERVING.md: a follower that dies is noticed at rank 0's next collective, an error on gloo
+    (not a hang): the next generate raises at once."""
+    import signal
+    import threading
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    with LLM("random:tiny-qwen3", tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.generate(prompt_token_ids=[PROMPTS[2]], sampling_params=params, use_tqdm=False)[0].token_ids
+        follower = llm.engine._followers.processes[0]  # reaped by multiprocessing, as the engine does
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=30)
+        assert follower.exitcode == -signal.SIGKILL
+        raised = []
+
+        def next_step():
+            try:
+                llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params, use_tqdm=False)
+            except RuntimeError as e:
+                raised.append(e)
+
+        step = threading.Thread(target=next_step, daemon=True)
+        step.start()
+        step.join(timeout=60)
+        assert not step.is_alive(), "rank 0 still waits for the dead follower"
+        assert raised and "closed by peer" in str(raised[0]), raised
+
+
 def test_a_local_serve_refuses_more_gpus_per_worker_than_the_machine_has(monkeypatch):
     from kvmesh.cluster import launcher
 
