@@ -3,6 +3,8 @@ poll it into RoutingState (a real kvmesh.router.Router), late copies resync from
 just-routed prefix is preferred before its events arrive (the kv_events policy's record of prefixes
 in flight, router/pending.py, the one such mechanism)."""
 
+import pytest
+
 from kvmesh.protocol import AllCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot, WorkerLoad
 from kvmesh.router.event_log import EventLog, WorkerGone
 from kvmesh.router.routing_state import RoutingState
@@ -112,6 +114,25 @@ def test_a_follow_up_sent_before_any_new_report_goes_to_the_worker_computing_its
     assert state.rank(prompt, 429, None, ["a", "b"])[0] == "a"
     assert state.loads()["a"].waiting_prefill_tokens == 429  # counted by the copy until a report
     assert state.rank(prompt[:26] + [7], 429, None, ["a", "b"])[0] == "a"
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_a_copy_s_count_of_what_it_routed_lasts_until_its_next_poll_of_the_hub(published):
+    """ROUTING.md: the copy's next poll carries every worker's latest report and re-applies it, so
+    the count lasts until the poll returns (another worker's publication, or the long poll's
+    timeout with nothing new), not until the routed worker's next report."""
+    log = EventLog()
+    for w in ("a", "b"):
+        log.publish(stored(w, 0, []))
+        log.update_load(WorkerLoad(w, kv_free_blocks=100, kv_total_blocks=100, timestamp=1.0))
+    state = RoutingState("least_loaded", 16)
+    state.apply(log.poll(None, 0))
+    picked = state.rank(list(range(100, 127)), 429, None, ["a", "b"])[0]
+    assert state.loads()[picked].waiting == 1  # this copy's own count
+    if published:  # only the other worker publishes
+        log.publish(stored("b" if picked == "a" else "a", 1, [5]))
+    state.apply(log.poll(state.instance, state.cursor))
+    assert state.loads()[picked].waiting == 0  # the picked worker's last report, re-applied
 
 
 def test_a_burst_between_load_reports_is_spread_by_the_load_it_adds():
