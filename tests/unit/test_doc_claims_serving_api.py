@@ -220,3 +220,30 @@ def test_a_grpc_request_label_holds_at_most_256_characters():
     with pytest.raises(ApiError) as e:
         _label(pb.GenerateRequest(request_id="x" * 257), "req-1")
     assert (e.value.status, e.value.param) == (400, "request_id") and "256" in e.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_worker_fails_is_counted_as_503(stream):
+    """METRICS.md, kvmesh_requests_total: a stream that ends with finish_reason "error" counts as
+    503, the status a non-streamed request that fails so is answered (here both, through the
+    ingress's handler; the worker failed after its first tokens, so the ingress does not re-run it)."""
+    handle = Handle([TokenDelta("r", [65], "A", num_prompt_tokens=2, num_output_tokens=1),
+                     TokenDelta("r", [], "", finish_reason="error", error="the worker failed: ValueError")])
+    ing = ingress(handle)
+
+    async def answer_and_body():  # in one event loop: the stream's reads belong to it
+        answer = await ing._complete(http_request(completion(max_tokens=4, stream=stream)), "completion")
+        if not stream:
+            return answer, None
+        return answer, b"".join([chunk async for chunk in answer.body_iterator]).decode()
+
+    answer, body = asyncio.run(answer_and_body())
+    if stream:  # the stream ends with an error chunk and [DONE]; its status was 200 when it began
+        assert answer.status_code == 200
+        assert '"finish_reason":"error"' in body and body.endswith("data: [DONE]\n\n"), body
+    else:
+        assert answer.status_code == 503 and "the worker failed" in body_of(answer)["error"]["message"]
+    counted = ing.frontend.metrics.requests.labels(model=ing.frontend.model_name, status="503")._value.get()
+    assert counted == 1
+    ok = ing.frontend.metrics.requests.labels(model=ing.frontend.model_name, status="200")._value.get()
+    assert ok == 0
