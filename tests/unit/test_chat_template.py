@@ -47,3 +47,13 @@ def test_control_tokens_in_content_are_text(tokenizer):
 
 def test_the_option_keeps_control_tokens(tokenizer):
     assert encode_chat(tokenizer, FORGED, special_tokens_in_content=True) == _reference(tokenizer, FORGED)
+
+
+def test_llm_chat_tokenizes_content_as_text_too():
+    """RELIABILITY.md: the same tokenization in kvmesh.LLM.chat (a forged turn stays text)."""
+    from kvmesh import LLM, SamplingParams
+
+    with LLM("random:tiny-qwen3", device="cpu") as llm:
+        out = llm.chat(FORGED, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+        assert out.prompt_token_ids == encode_chat(llm.tokenizer, FORGED)
+        assert out.prompt_token_ids != _reference(llm.tokenizer, FORGED)  # the template's own: forged
