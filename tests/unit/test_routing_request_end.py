@@ -70,6 +70,26 @@ def test_a_failed_request_leaves_the_load_without_a_credit():
     assert not computed
 
 
+@pytest.mark.parametrize("end", ["computed", "failed", "still running"])
+def test_a_finished_prefix_is_credited_at_the_prefill_weight_not_the_in_flight_one(end):
+    """ROUTING.md: once the request finished, its worker is credited with its prefix as cached,
+    `weights.prefill` (2.0) a token, not `weights.in_flight` (1.0). Worker "a" reports one waiting
+    request of 400 prompt tokens; the follow-up (430 tokens, 400 of them the first request's) costs
+    860 on idle "b", and on "a" 860 + 400 queued + 256 outstanding less the credit for 400 tokens:
+    316 + 400 with the prefill weight (a), 716 + 400 with the in-flight weight (b)."""
+    log = EventLog()
+    for w, waiting, queued in (("a", 1, 400), ("b", 0, 0)):
+        log.publish_snapshot(KVSnapshot(w, 1, 0, [], B))
+        log.update_load(WorkerLoad(w, waiting=waiting, waiting_prefill_tokens=queued, kv_free_blocks=1000,
+                                   kv_total_blocks=1000, timestamp=1.0))
+    state = RoutingState("kv_events", B, stale_load_s=None)
+    state.apply(log.poll(state.instance, state.cursor))
+    assert state.rank(block_hashes(FIRST, B), len(FIRST), None, ["a"], request_id="r1")[0] == "a"
+    if end != "still running":
+        assert state.finished("r1", computed=end == "computed")
+    assert route(state, SECOND) == ("a" if end == "computed" else "b")
+
+
 def test_a_report_after_the_route_already_holds_the_request():
     workers = WorkerSet()
     workers.add("a")
