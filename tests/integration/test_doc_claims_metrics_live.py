@@ -64,12 +64,16 @@ def state(replica):
             "stay_margin": policy.weights.stay_margin if policy else None,
             "pending_requests": policy.pending.max_requests if policy else None,
             "unended": sum(len(c.state._routed) for c in copies),
-            "computed": sum(1 for c in copies for _, _, done in c.state.router.policy.pending._records.values() if done)}
+            "computed": sum(1 for c in copies for _, _, done in c.state.router.policy.pending._records.values() if done),
+            "router_worker_ids": sorted(copies[0].state.router.worker_ids()) if copies else None}
 
-for a in ray.util.list_named_actors(all_namespaces=True):
+actors = ray.util.list_named_actors(all_namespaces=True)
+for a in actors:
     if "#Ingress#" in a["name"]:
         actor = ray.get_actor(a["name"], namespace=a["namespace"])
-        print(json.dumps(ray.get(actor.__ray_call__.remote(state), timeout=60)), flush=True)
+        found = ray.get(actor.__ray_call__.remote(state), timeout=60)
+        found["worker_actor_names"] = sorted(b["name"] for b in actors if "#KVWorker#" in b["name"])
+        print(json.dumps(found), flush=True)
 """
 
 
@@ -266,3 +270,13 @@ def test_an_idle_worker_reports_its_load_at_least_every_second(cluster):
     stamps = sorted(t for _, t, _ in reports if t >= started)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     assert len(stamps) >= watch_s - 1 and max(gaps) <= 1.0, (len(stamps), gaps)
+
+
+def test_the_worker_label_is_the_serve_replica_id_the_router_s_index_uses(cluster):
+    """METRICS.md: the `worker` label is the Serve replica id of the worker (the id `serve status`
+    shows, the end of its actor's name, and the id the router's KV index uses)."""
+    idle(cluster)
+    labels = sorted(per_worker(metrics(cluster.http_url), "kvmesh_kv_free_blocks"))
+    (state,) = ingress_state(cluster)
+    assert len(labels) == 1 and state["router_worker_ids"] == labels, (labels, state)
+    assert [name.rsplit("#", 1)[1] for name in state["worker_actor_names"]] == labels, state
