@@ -36,9 +36,6 @@ B="python3 -m kvmesh.bench.serve --launch=/tmp/decode.yaml --policies kv_events 
    --workload-opt prompt_tokens=($LEN) --workload-opt output_tokens=($LEN) --num-requests $N --concurrency $C --sample-s 0.5"
 T=150 step "served through Serve's proxy" $B --json $OUT/decode_proxy.json
 T=150 step "served through the direct port" $B --direct-http-port 8124 --json $OUT/decode_direct.json
-# the same, with the engine process sending each step's report itself (no sender thread)
-KVMESH_ENGINE_SENDER=0 T=150 step "direct, the engine sending its reports itself" $B --direct-http-port 8124 \
-  --json $OUT/decode_direct_nosender.json
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -56,7 +53,7 @@ try:
           f"{text['output_tok_per_s']:,.0f} output tok/s = {text['output_tok_per_s'] / offline['output_tok_per_s']:.0%}")
 except (OSError, IndexError, KeyError) as e:
     print(f"offline, text each step: no result ({e!r})")
-for name in ("proxy", "direct", "direct_nosender"):
+for name in ("proxy", "direct"):
     try:
         r = next(iter(json.load(open(f"{out}/decode_{name}.json"))["results"].values()))
     except (OSError, StopIteration, KeyError) as e:

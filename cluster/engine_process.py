@@ -9,12 +9,8 @@ over a socket pair: the replica sends `Start` first, the child answers `Ready` (
 commands and outputs flow as in a thread.
 
 `EngineProcess` is the transport EngineLoop (engine_loop.py) drives; a reader thread hands it the
-child's outputs. In the child, a sender thread pickles and sends them (as vLLM's output thread), so
-a step's report is written while the engine goes on with the next step, not between the two (at 256
-sequences a report's pickle is ~0.3 ms); the engine waits only when SEND_QUEUE reports are unsent
-(a replica that stopped reading). KVMESH_ENGINE_SENDER=0: the engine sends each report itself.
-The child exits when the replica goes away (its end of the socket closes), so a killed replica
-frees its GPU. The child's death is read from the socket: the reader sees EOF (a
+child's outputs. The child exits when the replica goes away (its end of the socket closes), so a
+killed replica frees its GPU. The child's death is read from the socket: the reader sees EOF (a
 SIGKILL, a crash) and reports it as `Failed`.
 """
 
@@ -22,12 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -130,51 +124,6 @@ def spawn_engine_process(child_sock: socket.socket) -> subprocess.Popen:
 
 # ---- the child ------------------------------------------------------------------------------------
 
-SEND_QUEUE = 64  # reports the child's sender may hold before the engine waits for it
-SENDER = os.environ.get("KVMESH_ENGINE_SENDER", "1") != "0"
-
-
-class Sender:
-    """The child's outputs, pickled and written to the socket by a thread of their own, in order."""
-
-    def __init__(self, conn: Connection):
-        self._conn = conn
-        self._queue: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvmesh-engine-sender", daemon=True)
-        self._thread.start()
-
-    def send(self, output) -> None:
-        """Queue an output; raises the sender's OSError once the replica is gone."""
-        if not self._put(output, deadline=float("inf")):
-            raise self._error or OSError("the engine's sender is closed")
-
-    def _put(self, item, deadline: float) -> bool:
-        """Queue `item`, waiting while the replica is not reading, until `deadline` (monotonic) or
-        until the thread has ended (only an OSError ends it before close); False if not queued."""
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            try:
-                self._queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        while (output := self._queue.get()) is not None:
-            try:
-                self._conn.send(output)
-            except OSError as e:  # the replica is gone: the engine's next send raises it
-                self._error = e
-                return
-
-    def close(self) -> None:
-        """Send what is queued (up to 30 s), then stop the thread; at once if the replica is gone."""
-        deadline = time.monotonic() + 30
-        self._put(None, deadline)
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
 def main(conn: Connection) -> int:
     """The engine process: build the engine, then run the EngineCore loop on the socket."""
     start: Start = conn.recv()
@@ -188,23 +137,18 @@ def main(conn: Connection) -> int:
         conn.send(Failed(traceback.format_exc()))
         return 1
     conn.send(core.ready())
-    sender = Sender(conn) if SENDER else None
-    send = sender.send if sender is not None else conn.send
     try:
-        core.run(lambda timeout_s: conn.recv() if conn.poll(timeout_s) else None, send)
+        core.run(lambda timeout_s: conn.recv() if conn.poll(timeout_s) else None, conn.send)
         core.engine.close()  # its tensor-parallel ranks, if any
         return 0
     except (EOFError, OSError):  # the replica is gone (the ranks, daemon processes, end with this one)
         return 0
     except BaseException:
         try:
-            send(Failed(traceback.format_exc()))
+            conn.send(Failed(traceback.format_exc()))
         except OSError:
             pass
         return 1
-    finally:
-        if sender is not None:
-            sender.close()
 
 
 if __name__ == "__main__":
