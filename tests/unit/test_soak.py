@@ -3,6 +3,7 @@ bound; its --mix parsing; and how its client load (kvmesh/bench/traffic.py) retr
 against HTTP and gRPC servers on 127.0.0.1 that answer as each test scripts."""
 
 import contextlib
+import json
 import time
 
 import pytest
@@ -217,3 +218,44 @@ def test_a_grpc_request_that_keeps_failing_uses_its_attempts_and_says_so():
         out = Traffic("http://127.0.0.1:9", "m", grpc_target=target, max_attempts=4).one(0, "grpc")
     assert (out.result, out.attempts, out.statuses) == ("failed", 4, [429] * 4)
     assert len(calls) == 4 and out.detail.startswith("gRPC RESOURCE_EXHAUSTED")
+
+
+def test_kvmesh_bench_soak_exits_1_and_prints_fail_when_requests_are_lost(tmp_path):
+    """RELIABILITY.md: `kvmesh bench soak` exits 1 if a request was lost. A loopback server that
+    lists a model and serves /metrics but drops every generation request (it closes the
+    connection without an answer) stands in for a broken cluster."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (b'{"data": [{"id": "m"}]}' if self.path == "/v1/models"
+                    else b'kvmesh_router_index_blocks{model="m"} 0.0\n')
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.close_connection = True  # no answer at all
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "soak.json"
+        proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "soak", "--url",
+                               f"http://127.0.0.1:{server.server_port}", "--duration-s", "2",
+                               "--concurrency", "2", "--sample-every-s", "0.5", "--timeout-s", "5",
+                               "--json", str(out)], capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAIL" in proc.stdout
+    result = json.loads(out.read_text())
+    assert not result["ok"] and result["lost"] == result["requests"] > 0, result
