@@ -271,3 +271,31 @@ def test_ttft_and_the_routed_arrival_count_from_the_request_s_arrival_at_the_ing
     assert sent <= handle.routed[0].arrival_time < sent + 0.1  # stamped before the tokenizing
     ttft = ing.frontend.metrics.ttft.labels(model=ing.frontend.model_name)
     assert ttft._sum.get() >= 0.2
+
+
+def test_a_grpc_request_s_arrival_is_stamped_before_its_prompt_is_tokenized():
+    """METRICS.md: TTFT and the queue time count from the request's arrival at the ingress, over
+    gRPC as over HTTP: with a tokenizer that takes 0.2 s, both include it."""
+    import time
+
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    handle = Handle([TokenDelta("r", [65], "A", finish_reason="length", num_prompt_tokens=5,
+                                num_output_tokens=1)])
+    ing = ingress(handle)
+    real_encode = ing.frontend.tokenizer.encode
+
+    def slow_encode(text, add_special_tokens):
+        time.sleep(0.2)
+        return real_encode(text, add_special_tokens=add_special_tokens)
+
+    ing.frontend.tokenizer.encode = slow_encode
+
+    async def generate():
+        return [m async for m in ing.Generate(pb.GenerateRequest(prompt="Hello", max_tokens=1))]
+
+    sent = time.time()
+    messages = asyncio.run(generate())
+    assert "".join(m.text for m in messages) == "A"
+    assert sent <= handle.routed[0].arrival_time < sent + 0.1
+    assert ing.frontend.metrics.ttft.labels(model=ing.frontend.model_name)._sum.get() >= 0.2
