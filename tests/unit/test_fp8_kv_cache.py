@@ -81,6 +81,9 @@ def test_the_fp8_pool_holds_twice_the_blocks_of_bf16_in_the_same_memory():
     assert fp8.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
     assert fp8.engine.runner.kv_cache.nbytes <= 1 << 21
     assert bf16.engine.runner.kv_cache.dtype == torch.bfloat16
+    # README: FP8 K / V are stored with a per-layer scale of 1.0 (no calibration)
+    runner = fp8.engine.runner
+    assert runner.kv_scales == [(1.0, 1.0)] * len(runner.kv_caches) and len(runner.kv_caches) > 1
 
 
 # random:tiny-qwen3 in float32 (these prompts, torch 2.13): the largest |logprob difference| of fp8 vs

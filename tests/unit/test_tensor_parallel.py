@@ -232,6 +232,34 @@ def test_a_follower_exits_when_rank_0_is_killed():
     follower.wait(timeout=30)  # psutil.TimeoutExpired if it lingers
 
 
+def test_the_follower_ranks_stop_with_close_with_the_with_block_and_with_a_plain_exit():
+    """README: the other ranks are child processes, started with spawn, stopped by `llm.close()`
+    (or leaving `with LLM(...)`) or when the process exits."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    llm = LLM("random:tiny-qwen3", tensor_parallel_size=2, **ENGINE)
+    followers = list(llm.engine._followers.processes)
+    assert followers and all(p.is_alive() for p in followers)
+    assert all(p._start_method == "spawn" for p in followers)
+    llm.close()
+    assert not any(p.is_alive() for p in followers)
+    with LLM("random:tiny-qwen3", tensor_parallel_size=2, **ENGINE) as llm:
+        followers = list(llm.engine._followers.processes)
+    assert followers and not any(p.is_alive() for p in followers)
+    script = ("from kvmesh import LLM\n"
+              "if __name__ == '__main__':\n"
+              "    llm = LLM('random:tiny-qwen3', device='cpu', tensor_parallel_size=2)\n"
+              "    print(llm.engine._followers.processes[0].pid, flush=True)\n")  # then returns, no close()
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=str(REPO))
+    follower = psutil.Process(int(rank0.stdout.readline()))
+    assert rank0.wait(timeout=60) == 0
+    follower.wait(timeout=30)  # psutil.TimeoutExpired if it outlives its parent's exit
+
+
 def test_a_follower_that_dies_is_an_error_at_rank_0s_next_step():
     """SERVING.md: a follower that dies is noticed at rank 0's next collective, an error on gloo
     (not a hang): the next generate raises at once."""
