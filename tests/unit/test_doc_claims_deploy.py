@@ -189,6 +189,22 @@ def test_the_readme_names_every_random_preset_and_no_other():
     assert named == set(PRESETS)
 
 
+def test_the_large_presets_have_the_shapes_the_readme_gives_them():
+    """README: random:qwen3-8b has Qwen3-8B's shape; random:qwen3-moe-a3b-small Qwen3-30B-A3B's
+    width and 8 of its 48 layers. The expected values are those models' published config.json."""
+    from kvmesh.worker.presets import PRESETS
+
+    qwen3_8b = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    qwen3_30b_a3b = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+                         head_dim=128, tie_word_embeddings=False)
+    for preset, published in (("qwen3-8b", qwen3_8b), ("qwen3-moe-a3b-small", qwen3_30b_a3b)):
+        config = PRESETS[preset]
+        assert {k: config.get(k) for k in published} == published, preset
+    assert PRESETS["qwen3-moe-a3b-small"]["num_hidden_layers"] == 8
+
+
 def test_grpc_stream_takes_the_arguments_the_readme_passes():
     """README: grpc_stream("127.0.0.1:9000", "What is ...?", max_tokens=32, temperature=0)."""
     from kvmesh.cluster.client import grpc_stream

@@ -124,18 +124,21 @@ def test_kvmesh_fetch_prints_the_directory_to_serve(hub, tmp_path, capsys):
     assert "kvmesh fetch: error: model: acme/nothing was not found on the hub" in capsys.readouterr().err
 
 
-def test_a_converted_gguf_is_found_again_after_its_file_is_copied_or_touched(tmp_path):
+def test_a_converted_gguf_is_found_again_after_its_file_is_copied_or_touched(tmp_path, monkeypatch):
     """The conversion is keyed by the file's content: an image layer (or a copy to another node's
-    disk) keeps the bytes but not the path or the mtime, and must not convert again."""
+    disk) keeps the bytes but not the path or the mtime, and must not convert again. It is written
+    under $KVMESH_CACHE (README: "dequantized once into ~/.cache/kvmesh or $KVMESH_CACHE")."""
     import os
     import shutil
 
     from kvmesh.worker.loader import default_gguf_path
 
+    monkeypatch.setenv("KVMESH_CACHE", str(tmp_path / "cache"))
     first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
     for copy in (first, second):
         copy.parent.mkdir()
         shutil.copyfile(default_gguf_path(), copy)
     converted = resolve_model(str(first)).path
+    assert converted.parent == tmp_path / "cache" / "models" and (converted / "config.json").is_file()
     os.utime(second, (1_000_000, 1_000_000))
     assert resolve_model(str(second)).path == converted
