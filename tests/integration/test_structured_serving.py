@@ -532,3 +532,24 @@ def test_an_unpaired_surrogate_is_a_400_naming_the_fields_path(cluster):
            % MODEL).encode()
     status, body = _raw_post(cluster, raw)
     assert status == 400 and body["error"]["param"] == "messages.0.content", body
+
+
+# ---- the README's answers on the default model ---------------------------------------------------
+
+def test_the_readme_s_client_and_curl_answers_name_paris(cluster):
+    """README: `kvmesh client "What is the capital of France?"` (HTTP, and --grpc) and the curl body
+    it gives answer "The capital of France is Paris." on the default model, served."""
+    import os
+    import subprocess
+    import sys
+
+    question = "What is the capital of France?"
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    for where in (["--url", cluster.http_url + "/v1"], ["--grpc", "--target", cluster.grpc_target]):
+        run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", question, *where],
+                             capture_output=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr.decode(errors="replace")
+        assert "The capital of France is Paris." in run.stdout.decode(), (where, run.stdout)
+    status, body, _ = post(cluster, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": question}], "temperature": 0})
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
