@@ -116,3 +116,27 @@ def test_no_installed_distribution_is_named_like_the_router_folder():
     clashes += sorted(f"{dist.metadata['Name']} {dist.version}" for dist in metadata.distributions()
                       if (dist.metadata["Name"] or "").lower() == "router")
     assert not clashes, f"installed packages named like the checkout's router/ folder: {clashes}"
+
+
+@pytest.mark.slow
+def test_kvmesh_generate_chat_and_no_chat_send_the_template_or_the_raw_text(capsys):
+    """README: `kvmesh generate PROMPT [--max-tokens N] [--temperature T] [--chat|--no-chat]`: the
+    chat template is the default for a model that has one, --no-chat sends the raw text; the
+    printed text is what the offline API gives for the same ids and settings (the default model,
+    greedy, 8 tokens)."""
+    from kvmesh import LLM, SamplingParams
+    from kvmesh.cli import main
+
+    prompt = "What is the capital of France?"
+    params = SamplingParams(max_tokens=8, temperature=0)
+    llm = LLM(device="cpu")
+    chat = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].text
+    raw = llm.generate([prompt], params, use_tqdm=False)[0].text
+    assert chat != raw
+    printed = {}
+    for flags in ([], ["--chat"], ["--no-chat"]):
+        assert main(["generate", prompt, "--device", "cpu", "--max-tokens", "8", "--temperature", "0",
+                     *flags]) == 0
+        printed[tuple(flags)] = capsys.readouterr().out
+    assert printed[()] == printed[("--chat",)] == chat + "\n"
+    assert printed[("--no-chat",)] == raw + "\n"
