@@ -87,6 +87,17 @@ def test_readme_names_every_preset():
     assert not lacks, f"README.md's Models paragraph lacks {lacks}"
 
 
+def test_every_tiny_preset_and_so_every_architecture_is_checked_against_transformers():
+    """CONTRIBUTING.md step 3: a new architecture's tiny preset goes into the list of
+    test_random_presets_match_transformers; every registered architecture has one."""
+    from kvmesh.worker.models import MODELS
+    from tests.unit.test_engine_vs_transformers import TRANSFORMERS_PRESETS
+
+    tiny = {name for name in PRESETS if name.startswith("tiny-")}
+    assert set(TRANSFORMERS_PRESETS) == tiny
+    assert {PRESETS[name]["architectures"][0] for name in tiny} == set(MODELS)
+
+
 def test_a_missing_name_is_caught():
     """The checks themselves: a name written inside a longer one does not count."""
     assert missing(["torch", "kv_events"], "auto | torch_copy | kv_events") == ["torch"]

@@ -94,8 +94,12 @@ def test_default_smollm2_matches_transformers():
     assert all(len(e) > 0 for e in expected)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-llama3",
-                                    "tiny-qwen3-moe", "tiny-mixtral"])
+# every tiny preset (docs/CONTRIBUTING.md: a new architecture's preset is added here;
+# test_contributing_steps.py checks that none is missing)
+TRANSFORMERS_PRESETS = ["tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-llama3", "tiny-qwen3-moe", "tiny-mixtral"]
+
+
+@pytest.mark.parametrize("preset", TRANSFORMERS_PRESETS)
 def test_random_presets_match_transformers(preset):
     base, prompts, expected = check_model(f"random:{preset}")
     assert all(len(e) == MAX_NEW for e in expected if 258 not in e)
