@@ -249,33 +249,11 @@ def test_a_request_whose_worker_fails_is_counted_as_503(stream):
     assert ok == 0
 
 
-def test_ttft_and_the_routed_arrival_count_from_the_request_s_arrival_at_the_ingress():
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_ttft_and_the_routed_arrival_count_from_the_request_s_arrival_at_the_ingress(api):
     """METRICS.md: TTFT counts "from the request's arrival at the ingress", and the worker's queue
-    time from the arrival it is sent with, so both include the ingress's tokenizing: here a
-    tokenizer that takes 0.2 s."""
-    import time
-
-    handle = Handle([TokenDelta("r", [65], "A", finish_reason="length", num_prompt_tokens=5,
-                                num_output_tokens=1)])
-    ing = ingress(handle)
-    real_encode = ing.frontend.tokenizer.encode
-
-    def slow_encode(text, add_special_tokens):
-        time.sleep(0.2)
-        return real_encode(text, add_special_tokens=add_special_tokens)
-
-    ing.frontend.tokenizer.encode = slow_encode
-    sent = time.time()
-    answer = asyncio.run(ing._complete(http_request(completion(max_tokens=1)), "completion"))
-    assert body_of(answer)["choices"][0]["text"] == "A"
-    assert sent <= handle.routed[0].arrival_time < sent + 0.1  # stamped before the tokenizing
-    ttft = ing.frontend.metrics.ttft.labels(model=ing.frontend.model_name)
-    assert ttft._sum.get() >= 0.2
-
-
-def test_a_grpc_request_s_arrival_is_stamped_before_its_prompt_is_tokenized():
-    """METRICS.md: TTFT and the queue time count from the request's arrival at the ingress, over
-    gRPC as over HTTP: with a tokenizer that takes 0.2 s, both include it."""
+    time from the arrival it is sent with, so both include the ingress's tokenizing, over HTTP and
+    gRPC: here a tokenizer that takes 0.2 s."""
     import time
 
     from kvmesh.proto import kvmesh_pb2 as pb
@@ -291,11 +269,13 @@ def test_a_grpc_request_s_arrival_is_stamped_before_its_prompt_is_tokenized():
 
     ing.frontend.tokenizer.encode = slow_encode
 
-    async def generate():
-        return [m async for m in ing.Generate(pb.GenerateRequest(prompt="Hello", max_tokens=1))]
+    async def answer_text() -> str:
+        if api == "http":
+            answer = await ing._complete(http_request(completion(max_tokens=1)), "completion")
+            return body_of(answer)["choices"][0]["text"]
+        return "".join([m.text async for m in ing.Generate(pb.GenerateRequest(prompt="Hello", max_tokens=1))])
 
     sent = time.time()
-    messages = asyncio.run(generate())
-    assert "".join(m.text for m in messages) == "A"
-    assert sent <= handle.routed[0].arrival_time < sent + 0.1
+    assert asyncio.run(answer_text()) == "A"
+    assert sent <= handle.routed[0].arrival_time < sent + 0.1  # stamped before the tokenizing
     assert ing.frontend.metrics.ttft.labels(model=ing.frontend.model_name)._sum.get() >= 0.2
