@@ -379,7 +379,7 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
     def stepping(engine: psutil.Process) -> bool:
         spent = sum(engine.cpu_times()[:2])
         time.sleep(0.1)
-        return sum(engine.cpu_times()[:2]) - spent > 0.02
+        return sum(engine.cpu_times()[:2]) - spent > 0.005  # an idle engine waits on its socket
 
     def busy_worker():
         running = per_worker(metrics(cluster.http_url), "kvmesh_running_requests")
