@@ -285,7 +285,7 @@ def test_a_follower_that_dies_is_an_error_at_rank_0s_next_step():
         step.start()
         step.join(timeout=60)
         assert not step.is_alive(), "rank 0 still waits for the dead follower"
-        assert raised and "closed by peer" in str(raised[0]), raised
+        assert raised and "by peer" in str(raised[0]), raised  # closed or reset by peer
 
 
 def test_a_local_serve_refuses_more_gpus_per_worker_than_the_machine_has(monkeypatch):
