@@ -56,8 +56,11 @@ def test_serve_config_carries_the_kvmesh_config_as_build_app_args():
     [app] = config["applications"]
     assert app["import_path"] == "kvmesh.cluster.app:build_app"
     assert app["route_prefix"] == "/"
-    # The whole serving config, untouched (Helm drops keys whose value is null: build_app's defaults apply).
-    assert app["args"] == merged["kvmesh"]
+    # The whole serving config, untouched (Helm drops keys whose value is null: build_app's defaults
+    # apply), with the gRPC message limit the pods apply (serve.grpcMaxMessageBytes)
+    expected = merged["kvmesh"]
+    expected["server"]["grpc_max_message_bytes"] = merged["serve"]["grpcMaxMessageBytes"]
+    assert app["args"] == expected
     assert app["args"]["model"] == "/models/Qwen3-8B"
     assert app["args"]["autoscaling"]["policy"] == "kv_pressure"
     assert app["args"]["engine"]["max_model_len"] == 8192
@@ -84,7 +87,8 @@ def test_values_and_schema_offer_exactly_the_serving_config_fields():
     fields = {name for name, _ in serving.describe_fields()}
     values = yaml.safe_load((CHART / "values.yaml").read_text())["kvmesh"]
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["kvmesh"]
-    assert _dotted_keys(values) == fields
+    # the gRPC message limit is serve.grpcMaxMessageBytes (the chart puts it into the config)
+    assert _dotted_keys(values) == fields - {"server.grpc_max_message_bytes"}
     assert _dotted_schema_keys(schema) == fields
 
 
@@ -405,3 +409,17 @@ def test_every_ray_container_runs_kvmeshs_worker_hook_with_the_server_settings()
         assert env["KVMESH_LISTEN_HOST"]["value"] == "0.0.0.0"
         assert env["KVMESH_MAX_HEADER_BYTES"]["value"] == "65536"
         assert float(env["KVMESH_STREAM_IDLE_TIMEOUT_S"]["value"]) == 30.0
+
+
+def test_the_grpc_message_limit_is_set_once_by_serve_grpc_max_message_bytes():
+    """DEPLOY.md: Helm's serve.grpcMaxMessageBytes is the gRPC limit. The served config carries the
+    same value, and a kvmesh.server.grpc_max_message_bytes that differs (which the pods would not
+    apply) is refused naming both; an equal one is taken."""
+    rayservice = one(manifests({"serve": {"grpcMaxMessageBytes": 1048576}}), "RayService")
+    [app] = serve_config(rayservice)["applications"]
+    assert app["args"]["server"]["grpc_max_message_bytes"] == 1048576
+    with pytest.raises(helm.HelmError) as error:
+        render({"kvmesh": {"server": {"grpc_max_message_bytes": 1048576}}})
+    assert ("kvmesh.server.grpc_max_message_bytes (1048576) differs from serve.grpcMaxMessageBytes "
+            "(4194304)") in str(error.value)
+    render({"kvmesh": {"server": {"grpc_max_message_bytes": 1048576}}, "serve": {"grpcMaxMessageBytes": 1048576}})

@@ -71,10 +71,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 The kvmesh serving config handed to build_app. Replica count and autoscaling bounds come from
-values as they are; `kvmesh.autoscaling.enabled` alone switches Serve autoscaling on.
+values as they are; `kvmesh.autoscaling.enabled` alone switches Serve autoscaling on. The gRPC
+message limit is serve.grpcMaxMessageBytes, the one the pods' Serve proxies apply.
 */}}
 {{- define "kvmesh.servingConfig" -}}
-{{- toYaml .Values.kvmesh }}
+{{- $kvmesh := deepCopy .Values.kvmesh }}
+{{- $_ := set $kvmesh.server "grpc_max_message_bytes" (.Values.serve.grpcMaxMessageBytes | int64) }}
+{{- toYaml $kvmesh }}
 {{- end }}
 
 {{/* Ray Serve config (multi-application format) that KubeRay deploys: serveConfigV2. */}}

@@ -13,6 +13,9 @@ Checks across values that values.schema.json cannot express; each failure says w
 {{- if and $server.grpc_port (eq (toString $server.http_port) (toString $server.grpc_port)) }}
 {{- fail (printf "kvmesh.server.http_port and kvmesh.server.grpc_port are both %v; they need different ports" $server.http_port) }}
 {{- end }}
+{{- if and (hasKey $server "grpc_max_message_bytes") (ne (int64 $server.grpc_max_message_bytes) (int64 .Values.serve.grpcMaxMessageBytes)) }}
+{{- fail (printf "kvmesh.server.grpc_max_message_bytes (%v) differs from serve.grpcMaxMessageBytes (%v), which sets the limit in every pod: set serve.grpcMaxMessageBytes alone" (int64 $server.grpc_max_message_bytes) (int64 .Values.serve.grpcMaxMessageBytes)) }}
+{{- end }}
 {{- $auto := .Values.kvmesh.autoscaling }}
 {{- if and $auto.enabled (gt (int $auto.min_replicas) (int $auto.max_replicas)) }}
 {{- fail (printf "kvmesh.autoscaling.min_replicas (%v) is above max_replicas (%v)" $auto.min_replicas $auto.max_replicas) }}
