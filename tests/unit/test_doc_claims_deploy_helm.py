@@ -197,3 +197,27 @@ def test_kvmesh_settings_the_pods_carry_change_the_ray_cluster_spec(values):
 def test_a_prefetched_models_change_changes_the_ray_cluster_spec():
     prefetch = {"modelCache": {"enabled": True, "prefetch": True}}
     assert _ray_cluster({**prefetch, "kvmesh": {"model": "random:tiny-llama"}}) != _ray_cluster(prefetch)
+
+
+def test_every_ray_pod_carries_the_proxy_options_in_its_annotation():
+    """DEPLOY.md: options Serve's proxies take only when they start; "the pods carry them in the
+    annotation kvmesh.io/proxy-options", the head and every worker group."""
+    from helm_values import VALUE_SETS
+
+    values = {**VALUE_SETS["autoscaling-two-gpu-types"],
+              "kvmesh": {**VALUE_SETS["autoscaling-two-gpu-types"]["kvmesh"],
+                         "server": {"keep_alive_timeout_s": 9, "grpc_reflection": True}}}
+    cluster = one(manifests(values, release=RELEASE), "RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    assert len(pods) >= 3
+    for pod in pods:
+        annotations = pod["template"]["metadata"]["annotations"]
+        assert annotations["kvmesh.io/proxy-options"] == "keep_alive_timeout_s=9 grpc_reflection=true"
+
+
+@pytest.mark.parametrize("kind", ["NodePort", "LoadBalancer"])
+def test_service_grpc_type_is_clusterip_unless_set(kind):
+    """DEPLOY.md: the Services are ClusterIP unless you set service.*.type (here the gRPC one)."""
+    assert one(manifests({}, release=RELEASE), "Service", "-grpc")["spec"].get("type", "ClusterIP") == "ClusterIP"
+    service = one(manifests({"service": {"grpc": {"type": kind}}}, release=RELEASE), "Service", "-grpc")
+    assert service["spec"]["type"] == kind

@@ -423,3 +423,12 @@ def test_the_grpc_message_limit_is_set_once_by_serve_grpc_max_message_bytes():
     assert ("kvmesh.server.grpc_max_message_bytes (1048576) differs from serve.grpcMaxMessageBytes "
             "(4194304)") in str(error.value)
     render({"kvmesh": {"server": {"grpc_max_message_bytes": 1048576}}, "serve": {"grpcMaxMessageBytes": 1048576}})
+
+
+def test_the_upgrade_strategy_value_sets_the_rayservice_s_and_is_checked():
+    """DEPLOY.md: rayService.upgradeStrategy (NewCluster by default; None keeps the cluster)."""
+    spec = one(manifests({"rayService": {"upgradeStrategy": "None"}}), "RayService")["spec"]
+    assert spec["upgradeStrategy"] == {"type": "None"}
+    with pytest.raises(helm.HelmError) as error:
+        render({"rayService": {"upgradeStrategy": "Foo"}})
+    assert "/rayService/upgradeStrategy" in str(error.value)
