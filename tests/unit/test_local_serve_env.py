@@ -80,3 +80,19 @@ def test_joining_a_cluster_keeps_what_its_nodes_were_started_with(ray_init):
     env_vars = ray_init["kwargs"]["runtime_env"]["env_vars"]
     for name in launcher.SERVE_FAST_PATH_ENV:
         assert name not in ray_init["environ"] and name not in env_vars
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("0.0.0.0", False)])
+def test_a_local_serve_starts_ray_on_the_loopback_with_the_hook_and_no_dashboard(ray_init, host, loopback):
+    """SERVING.md / DEPLOY.md: a local `kvmesh serve` starts Ray with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    and _node_ip_address=127.0.0.1 (its listeners on the loopback; neither when server.host opens
+    it), no dashboard, and kvmesh's worker_process_setup_hook in the job's runtime_env."""
+    from kvmesh.cluster.ray_patches import HOOK
+
+    with pytest.raises(RayInitCalled):
+        launcher.start_ray(ServeConfig(server={"host": host}), None, out=io.StringIO())
+    kwargs = ray_init["kwargs"]
+    assert (ray_init["environ"].get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0") is loopback
+    assert kwargs["include_dashboard"] is False
+    assert kwargs["runtime_env"]["worker_process_setup_hook"] == HOOK
+    assert (kwargs.get("_node_ip_address") == "127.0.0.1") is loopback
