@@ -60,9 +60,10 @@ def test_a_grpc_request_needs_the_clusters_grpc_target():
 # ---- one request's attempts against loopback servers that answer as scripted -------------------
 
 @contextlib.contextmanager
-def _http_server(answers: list):
+def _http_server(answers: list, pages: dict[str, bytes] | None = None):
     """An HTTP server on 127.0.0.1 answering each POST with the next of `answers` (status, body,
-    headers, seconds to wait first), the last one again once they run out."""
+    headers, seconds to wait first; None: close the connection with no answer), the last one again
+    once they run out, and each GET of a path in `pages` with that page."""
     import http.server
     import json
     import threading
@@ -70,9 +71,24 @@ def _http_server(answers: list):
     seen = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            page = (pages or {}).get(self.path)
+            if page is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            status, body, headers, wait_s = answers[min(len(seen), len(answers) - 1)]
+            answer = answers[min(len(seen), len(answers) - 1)]
+            if answer is None:
+                seen.append(None)
+                self.close_connection = True
+                return
+            status, body, headers, wait_s = answer
             seen.append(status)
             time.sleep(wait_s)
             data = json.dumps(body).encode()
@@ -224,37 +240,16 @@ def test_kvmesh_bench_soak_exits_1_and_prints_fail_when_requests_are_lost(tmp_pa
     """RELIABILITY.md: `kvmesh bench soak` exits 1 if a request was lost. A loopback server that
     lists a model and serves /metrics but drops every generation request (it closes the
     connection without an answer) stands in for a broken cluster."""
-    import http.server
     import subprocess
     import sys
-    import threading
 
-    class Broken(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = (b'{"data": [{"id": "m"}]}' if self.path == "/v1/models"
-                    else b'kvmesh_router_index_blocks{model="m"} 0.0\n')
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):
-            self.close_connection = True  # no answer at all
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    pages = {"/v1/models": b'{"data": [{"id": "m"}]}', "/metrics": b'kvmesh_router_index_blocks{model="m"} 0.0\n'}
+    with _http_server([None], pages) as (url, _):
         out = tmp_path / "soak.json"
-        proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "soak", "--url",
-                               f"http://127.0.0.1:{server.server_port}", "--duration-s", "2",
-                               "--concurrency", "2", "--sample-every-s", "0.5", "--timeout-s", "5",
-                               "--json", str(out)], capture_output=True, text=True, timeout=120)
-    finally:
-        server.shutdown()
-        server.server_close()
+        proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "bench", "soak", "--url", url,
+                               "--duration-s", "2", "--concurrency", "2", "--sample-every-s", "0.5",
+                               "--timeout-s", "5", "--json", str(out)], capture_output=True, text=True,
+                              timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAIL" in proc.stdout
     result = json.loads(out.read_text())
