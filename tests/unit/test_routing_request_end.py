@@ -25,12 +25,14 @@ SHARED = list(range(400))  # a long shared prefix: 25 blocks
 FIRST, SECOND = SHARED + [9001] * 30, SHARED + [9002] * 30
 
 
-def idle_pair() -> RoutingState:
-    """Two idle workers, "a" and "b", known to the copy with empty caches and fresh loads."""
+def idle_pair(**reported) -> RoutingState:
+    """Two workers, "a" and "b", known to the copy with empty caches and fresh loads: idle, or as
+    `reported` gives a worker's load fields (a=dict(waiting=1, ...))."""
     log = EventLog()
     for w in ("a", "b"):
         log.publish_snapshot(KVSnapshot(w, 1, 0, [], B))
-        log.update_load(WorkerLoad(w, kv_free_blocks=1000, kv_total_blocks=1000, timestamp=1.0))
+        log.update_load(WorkerLoad(w, kv_free_blocks=1000, kv_total_blocks=1000, timestamp=1.0,
+                                   **reported.get(w, {})))
     state = RoutingState("kv_events", B, stale_load_s=None)
     state.apply(log.poll(state.instance, state.cursor))
     return state
@@ -77,13 +79,7 @@ def test_a_finished_prefix_is_credited_at_the_prefill_weight_not_the_in_flight_o
     request of 400 prompt tokens; the follow-up (430 tokens, 400 of them the first request's) costs
     860 on idle "b", and on "a" 860 + 400 queued + 256 outstanding less the credit for 400 tokens:
     316 + 400 with the prefill weight (a), 716 + 400 with the in-flight weight (b)."""
-    log = EventLog()
-    for w, waiting, queued in (("a", 1, 400), ("b", 0, 0)):
-        log.publish_snapshot(KVSnapshot(w, 1, 0, [], B))
-        log.update_load(WorkerLoad(w, waiting=waiting, waiting_prefill_tokens=queued, kv_free_blocks=1000,
-                                   kv_total_blocks=1000, timestamp=1.0))
-    state = RoutingState("kv_events", B, stale_load_s=None)
-    state.apply(log.poll(state.instance, state.cursor))
+    state = idle_pair(a=dict(waiting=1, waiting_prefill_tokens=400))
     assert state.rank(block_hashes(FIRST, B), len(FIRST), None, ["a"], request_id="r1")[0] == "a"
     if end != "still running":
         assert state.finished("r1", computed=end == "computed")
