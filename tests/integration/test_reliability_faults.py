@@ -383,11 +383,8 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
 
     def busy_worker():
         running = per_worker(metrics(cluster.http_url), "kvmesh_running_requests")
-        held = [(n, rid) for rid, n in running.items() if rid in pids]
-        if not held or max(held)[0] < 2:
-            return None
-        rid = max(held)[1]
-        return rid if stepping(engine_process_of(pids[rid])) else None
+        n, rid = max(((n, rid) for rid, n in running.items() if rid in pids), default=(0, None))
+        return rid if n >= 2 and stepping(engine_process_of(pids[rid])) else None
 
     def kill_and_watch_health():
         rid = wait_until(busy_worker, 30, interval_s=0.05, what="a worker holding requests")
