@@ -18,12 +18,7 @@ Run: PYTHONPATH=. python3 bench/gpu_kernels.py $OUT/kernels.json
        library), as CUDA-graph replays against the copy rate over the weights' bytes, each against
        a float32 product
      PYTHONPATH=. python3 bench/gpu_kernels.py --gemm-cold $OUT/gemm_cold.json   a layer's four GEMMs
-       with their weights in L2 against L2 flushed before each (as between a decode step's layers)
-     PYTHONPATH=. python3 bench/gpu_kernels.py --skinny $OUT/skinny.json   kernels/skinny_gemm.py
-       against cuBLAS at a layer's four shapes by rows, each GEMM after the kernel that feeds it in a
-       decode step (add + RMSNorm, SiLU-and-mul) with L2 flushed first, as CUDA-graph replays: the
-       pair's time less the kernel's alone; skinny_gemm without and with the early start (PDL), its
-       tiles swept"""
+       with their weights in L2 against L2 flushed before each (as between a decode step's layers)"""
 
 import importlib.util
 import json
@@ -331,78 +326,7 @@ def gemm_cold():
     save_rows(bw, rows)
 
 
-def skinny():
-    """What a decode GEMM adds after the kernel before it, L2 flushed first: cuBLAS, skinny_gemm, and
-    skinny_gemm started early (the kernel before it calling gdc_launch_dependents) over a tile sweep."""
-    import torch.nn.functional as F
-
-    from kvmesh.kernels import skinny_gemm as sg
-    from kvmesh.kernels.rms_norm import add_rms_norm
-    from kvmesh.kernels.silu_and_mul import silu_and_mul
-
-    bw = measure_ceilings(torch.device("cuda"))["copy_bytes_per_s"]
-    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-    tiles = [(32, 256, 1), (32, 512, 1), (64, 256, 1), (32, 128, 1), (16, 256, 1), (64, 128, 1), (32, 256, 2)]
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    rows, best_layer = [], {}
-
-    def bench(fn):
-        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
-
-    for tokens in (1, 8, 32, 64, 128, 192, 256):
-        layer = {"cublas": 0.0, "skinny": 0.0, "skinny_pdl": 0.0, "best_pdl": 0.0}
-        for name, (n, k) in shapes.items():
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-            if name == "down":
-                src = torch.randn(tokens, 2 * k, device="cuda", dtype=torch.bfloat16)
-                before = lambda: silu_and_mul(src)  # noqa: E731
-            else:  # add + RMSNorm over the GEMM's K (for o, a stand-in for the attention's split merge)
-                a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-                r, nw = torch.randn_like(a), torch.ones(k, device="cuda", dtype=torch.bfloat16)
-                before = lambda: add_rms_norm(a, r, nw, 1e-6)[0]  # noqa: E731
-            sg.ENABLED = False
-            ref = F.linear(before().float(), w.float())
-            base = bench(lambda: (flush.fill_(1), before()))
-            arms = {"cublas": (lambda: F.linear(before(), w), False, None),
-                    "skinny": (lambda: sg.skinny_gemm(before(), w, pdl=False), False, None)}
-            for bn, sk, stages in tiles:
-                if k % sk:
-                    continue
-                cfg = dict(block_n=bn, slice_k=sk, block_m=min(64, max(16, triton.next_power_of_2(tokens))),
-                           num_warps=4, num_stages=stages)
-                arms[f"pdl_{bn}_{sk}_{stages}"] = (lambda cfg=cfg: sg.skinny_gemm(before(), w, pdl=True, config=cfg),
-                                                   True, cfg)
-            times = {}
-            for arm, (fn, early, cfg) in arms.items():
-                sg.ENABLED = early
-                try:
-                    err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
-                    us = bench(lambda: (flush.fill_(1), fn())) - base
-                except Exception as e:  # one tile failing must not hide the others
-                    print(f"{name} {tokens} {arm}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
-                    continue
-                times[arm] = us
-                rows.append(dict(tokens=tokens, gemm=name, arm=arm, us=us, rel_err=err, config=cfg,
-                                 of_copy=w.numel() * 2 / (us * 1e-6) / bw))
-            sg.ENABLED = False
-            pdl_arms = {a: t for a, t in times.items() if a.startswith("pdl_")} or {"none": float("nan")}
-            best = min(pdl_arms, key=pdl_arms.get)
-            times = dict({"cublas": float("nan"), "skinny": float("nan")}, **times)
-            default = "pdl_{block_n}_{slice_k}_1".format(**sg.default_config(tokens, n, k))
-            layer["cublas"] += times["cublas"]
-            layer["skinny"] += times["skinny"]
-            layer["skinny_pdl"] += times.get(default, float("nan"))
-            layer["best_pdl"] += pdl_arms[best]
-            best_layer[(tokens, name)] = best
-            print(f"tokens {tokens:4d} {name:8s}: cuBLAS {times['cublas']:6.1f} us, skinny {times['skinny']:6.1f}, "
-                  f"early start {times.get(default, float('nan')):6.1f} (default tiles), best {pdl_arms[best]:6.1f} "
-                  f"({best}); copy rate over the weight {w.numel() * 2 / bw * 1e6:.1f} us", flush=True)
-        print(f"tokens {tokens:4d} layer: " + ", ".join(f"{a} {t:.1f} us" for a, t in layer.items()), flush=True)
-    save_rows(bw, rows)
-
-
 if __name__ == "__main__":
     modes = {"--fa-splits": fa_splits, "--decode-mix": decode_mix, "--decode-mix-pick": decode_mix_pick,
-             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold,
-             "--skinny": skinny}
+             "--sampler": sampler, "--gemm": gemm, "--gemm-cold": gemm_cold}
     modes.get(sys.argv[1] if len(sys.argv) > 1 else "", main)()

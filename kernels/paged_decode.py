@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.skinny_gemm import launch_next
-
 LOG2E = 1.4426950408889634
 
 
@@ -103,11 +101,9 @@ def _paged_decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse, s
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_out, part_lse, out_ptr, seq_lens, num_splits, stride_o_token, stride_o_head,
                          NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         CHUNK: tl.constexpr, LAUNCH_NEXT: tl.constexpr = False):
+                         CHUNK: tl.constexpr):
     """Chunk mode (CHUNK > 0): a loop over the context's splits, so one compiled kernel serves every
     grid (num_splits is a runtime value). Else NUM_SPLITS splits at once."""
-    if LAUNCH_NEXT:  # a skinny_gemm (the o projection) may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row0 = (seq * tl.num_programs(1) + head) * num_splits
@@ -207,4 +203,4 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, seq_lens, num_splits, out.stride(0), out.stride(1),
             NUM_SPLITS=0 if chunk else num_splits, SPLITS_P2=1 if chunk else triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, CHUNK=chunk, num_warps=4, LAUNCH_NEXT=launch_next(q.device))
+            HEAD_DIM=head_dim, CHUNK=chunk, num_warps=4)

@@ -13,14 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.skinny_gemm import launch_next
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_outer, stride_inner, num_inner, eps,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, LAUNCH_NEXT: tl.constexpr = False):
-    if LAUNCH_NEXT:  # a skinny_gemm after it may start loading its weights (kvmesh.kernels.skinny_gemm)
-        tl.extra.cuda.gdc_launch_dependents()
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     outer = row // num_inner
     inner = row % num_inner
@@ -50,16 +46,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = out.numel() // d
     if rows:
         _rms_norm_kernel[(rows,)](x, weight, out, stride_outer, stride_inner, num_inner, eps,
-                                  D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
-                                  LAUNCH_NEXT=launch_next(x.device))
+                                  D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1)
     return out
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         LAUNCH_NEXT: tl.constexpr = False):
-    if LAUNCH_NEXT:  # as in _rms_norm_kernel
-        tl.extra.cuda.gdc_launch_dependents()
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -82,5 +74,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     if n:
         _add_rms_norm_kernel[(n,)](x, residual, weight, out, total, eps, D=d, BLOCK_D=triton.next_power_of_2(d),
-                                   num_warps=4 if d >= 1024 else 1, LAUNCH_NEXT=launch_next(x.device))
+                                   num_warps=4 if d >= 1024 else 1)
     return out, total

@@ -4,14 +4,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.skinny_gemm import launch_next
-
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr,
-                         LAUNCH_NEXT: tl.constexpr = False):
-    if LAUNCH_NEXT:  # a skinny_gemm (the down projection) may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < I
@@ -31,6 +26,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inner, dtype=x.dtype, device=x.device)
     if rows:
         block = 1024
-        _silu_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, x.stride(0), I=inner, BLOCK=block, num_warps=4,
-                                                                LAUNCH_NEXT=launch_next(x.device))
+        _silu_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, x.stride(0), I=inner, BLOCK=block, num_warps=4)
     return out

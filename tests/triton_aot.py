@@ -30,7 +30,6 @@ class Compiled:
     registers: int
     spill_bytes: int
     async_copies: int  # loads pipelined into shared memory
-    ptx: str
 
 
 @dataclass
@@ -92,4 +91,4 @@ def compile_sm90(launch: Launch) -> Compiled:
     spills = re.search(r"(\d+) bytes spill stores", out.stderr)
     assert registers and spills, out.stderr[-2000:]
     return Compiled(fn.__name__, kernel.metadata.shared, int(registers.group(1)), int(spills.group(1)),
-                    kernel.asm["ttgir"].count("async_copy_global_to_local"), kernel.asm["ptx"])
+                    kernel.asm["ttgir"].count("async_copy_global_to_local"))

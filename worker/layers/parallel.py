@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.kernels import skinny_gemm
 from kvmesh.worker import tensor_parallel
 from kvmesh.worker.layers.fp8 import fp8_linear
 from kvmesh.worker.tensor_parallel import kv_head_start, local_heads, padded_vocab
@@ -38,8 +37,6 @@ def _attach(param: nn.Parameter, loader, full_shape: tuple[int, ...], load_full=
 def _linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight_scale is None:
-        if bias is None and skinny_gemm.applies(x, weight):  # KVMESH_SKINNY_GEMM=1, a decode step's rows
-            return skinny_gemm.skinny_gemm(x, weight)
         return F.linear(x, weight, bias)
     return fp8_linear(x, weight, weight_scale, bias)
 
