@@ -6,9 +6,12 @@ token), in a PID namespace of its own (test_fake_cluster.PidNamespace) so that n
 stop another Ray on the machine. Then: the dashboard and the dashboard agent refuse a caller
 without the token (their health checks stay open), the GCS refuses a wrong token, the metrics
 port needs none, and a client with the token file of deploy/aws.yaml's `~/.bashrc` line gets
-through.
+through. The dashboard's open paths are its login page, its static files and its health checks;
+Ray's job API behind it takes `ray job submit` with the token (DEPLOY.md's command) and refuses it
+without.
 """
 
+import re
 import secrets
 import subprocess
 import urllib.error
@@ -64,3 +67,39 @@ def test_the_ray_up_head_environment_makes_every_ray_port_ask_for_the_token(toke
     # What a `ray exec` shell on a node runs with: deploy/aws.yaml's ~/.bashrc line.
     admitted = ray_status(head.shell_env)
     assert admitted.returncode == 0 and "Active:" in admitted.stdout, admitted.stderr[-2000:]
+
+
+def test_the_dashboard_opens_only_its_login_page_static_files_and_health_checks(token_cluster):
+    head, ports = token_cluster
+    base = f"http://127.0.0.1:{ports['dashboard']}"
+    wait_for("the dashboard", lambda: http_status(f"{base}/api/version") != 0, 60)
+    with urllib.request.urlopen(f"{base}/", timeout=10) as response:  # the login page, no token
+        page = response.read().decode()
+    static = re.findall(r'(?:src|href)="\./(static/[^"]+)"', page)
+    assert static, page[:500]
+    for path in ["favicon.ico", *static, "api/gcs_healthz"]:
+        assert http_status(f"{base}/{path}") == 200, path
+    bearer = {"Authorization": f"Bearer {head.token}"}
+    for path in ("api/jobs/", "api/version", "api/serve/applications/", "api/cluster_status", "nodes?view=summary"):
+        assert http_status(f"{base}/{path}") == 401, path
+        assert http_status(f"{base}/{path}", bearer) == 200, path
+
+
+def test_ray_job_submit_through_the_dashboard_needs_the_token(token_cluster):
+    """DEPLOY.md: `RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<the token file> ray job submit --address
+    http://127.0.0.1:8265 -- ...` (here the dashboard's port on the loopback, as `ray dashboard`
+    forwards it)."""
+    head, ports = token_cluster
+    base = f"http://127.0.0.1:{ports['dashboard']}"
+    wait_for("the dashboard", lambda: http_status(f"{base}/api/version") != 0, 60)
+
+    def submit(env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(head.namespace.command([head.ray, "job", "submit", "--address", base, "--",
+                                                      "echo", "kvmesh-job-ran"]),
+                              env=env, capture_output=True, text=True, timeout=180)
+
+    refused = submit(head.env)  # the token file is in $HOME/.ray, but token mode is not on
+    assert refused.returncode != 0 and "Unauthorized" in refused.stderr, refused.stderr[-2000:]
+    admitted = submit(head.shell_env)
+    assert admitted.returncode == 0, admitted.stderr[-2000:]
+    assert "kvmesh-job-ran" in admitted.stdout and "succeeded" in admitted.stdout, admitted.stdout[-2000:]
