@@ -4,7 +4,8 @@ used to check by replacing ray.init / KVEventHub.options):
 
 - docs/DEPLOY.md: a local `kvmesh serve` starts its Ray without a dashboard; `kvmesh serve
   --address auto` passes the worker hook with the config's server.* settings to what it starts;
-- docs/SERVING.md: the KV event hub is a named, detached, 0-CPU actor per app in namespace `serve`.
+- docs/SERVING.md: the KV event hub is a named, detached, 0-CPU actor per app in namespace `serve`;
+  after a deployment's Serve shutdown it stays and the next deployment of the app name uses it.
 
 One local Ray for the module, started as `kvmesh serve` starts it: cluster/launcher.py start_ray
 in a process of its own (it sets variables in its environment that Ray's processes inherit, and a
@@ -154,6 +155,50 @@ print(json.dumps({"none": none, "one": one, "two": two, "killed": event_hub.kill
 ray.shutdown()
 """
 
+# Deploys the app (launcher.deploy: what `kvmesh serve` and `serve deploy` run) with one CPU worker,
+# waits for a worker to report to the hub and for a completion, shuts Serve down (`serve shutdown`),
+# looks for the hub, and deploys the same app name again.
+REDEPLOY = """
+import io, json, sys, time, urllib.request
+import ray
+from ray import serve
+from kvmesh.cluster import event_hub, launcher
+from kvmesh.serve_config import parse_config
+ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
+app, port = sys.argv[2], int(sys.argv[3])
+cfg = parse_config({"app_name": app, "model": "random:tiny-llama", "engine": {"device": "cpu"},
+                    "replicas": {"num_replicas": 1, "num_gpus": 0, "num_cpus": 1},
+                    "server": {"host": "127.0.0.1", "http_port": port, "grpc_port": 0}})
+
+def deployment(before):
+    launcher.deploy(cfg, out=io.StringIO())
+    deadline = time.monotonic() + 150
+    while True:  # a worker this deployment started has reported to the hub
+        hub = ray.get_actor(event_hub.hub_name(app), namespace="serve")
+        workers = set(ray.get(hub.loads.remote(), timeout=30)[0]) - before
+        if workers or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    body = json.dumps({"model": "random:tiny-llama", "prompt": "hello", "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        status = response.status
+    return {"hub": hub._actor_id.hex(), "workers": sorted(workers), "status": status}
+
+first = deployment(set())
+serve.shutdown()
+try:
+    stayed = ray.get_actor(event_hub.hub_name(app), namespace="serve")._actor_id.hex()
+except ValueError:
+    stayed = None
+second = deployment(set(first["workers"]))
+serve.shutdown()
+print(json.dumps({"first": first, "stayed": stayed, "second": second, "killed": event_hub.kill_hub(app)}),
+      flush=True)
+ray.shutdown()
+"""
+
 
 def _env(**extra) -> dict[str, str]:
     env = with_this_source(loopback_ray_env())
@@ -161,9 +206,9 @@ def _env(**extra) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _driver(script: str, *args: str, **env) -> dict:
+def _driver(script: str, *args: str, timeout_s: float = DRIVER_TIMEOUT_S, **env) -> dict:
     done = subprocess.run([sys.executable, "-c", script, *args], env=_env(**env), capture_output=True,
-                          text=True, timeout=DRIVER_TIMEOUT_S, cwd=REPO)
+                          text=True, timeout=timeout_s, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -276,3 +321,19 @@ def test_serve_prints_ready_once_the_workers_have_reported_to_the_hub(local_ray)
     assert got["one"][:2] == ["ok", 1] and got["one"][2] >= 1.0, got  # 1 of 2: waited its bound
     assert got["two"][:2] == ["ok", 2] and got["two"][2] < 5.0, got
     assert got["killed"] is True
+
+
+def test_after_serve_shutdown_the_hub_stays_and_the_next_deployment_of_the_app_uses_it(local_ray):
+    """SERVING.md: "after `serve deploy` + `serve shutdown` the hub (0 CPUs) stays and is reused by
+    the next deployment of the same app name": the same actor before, between and after, the second
+    deployment's new worker reports into it, and that deployment serves."""
+    from kvmesh.cluster.local import free_port
+
+    _, info = local_ray
+    got = _driver(REDEPLOY, info["gcs"], "redeployapp", str(free_port()), timeout_s=2 * DRIVER_TIMEOUT_S)
+    first, second = got["first"], got["second"]
+    assert first["workers"] and first["status"] == 200, got
+    assert got["stayed"] == first["hub"], got  # Serve's shutdown left it
+    assert second["hub"] == first["hub"], got  # the next deployment found it by name
+    assert second["workers"] and not set(second["workers"]) & set(first["workers"]), got  # a new worker
+    assert second["status"] == 200 and got["killed"] is True, got
