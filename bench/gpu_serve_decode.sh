@@ -36,6 +36,8 @@ B="python3 -m kvmesh.bench.serve --launch=/tmp/decode.yaml --policies kv_events 
    --workload-opt prompt_tokens=($LEN) --workload-opt output_tokens=($LEN) --num-requests $N --concurrency $C --sample-s 0.5"
 T=150 step "served through Serve's proxy" $B --json $OUT/decode_proxy.json
 T=150 step "served through the direct port" $B --direct-http-port 8124 --json $OUT/decode_direct.json
+# the plain offline run again after the served ones: how far the baseline moves within the call
+T=120 step "offline again, $N prompts" $K bench offline --model $MODEL $OFFLINE --num-prompts $N --json > $OUT/decode_offline_again.json
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -47,6 +49,11 @@ def offline_result(name):  # `bench offline --json` prints its result as the las
 
 offline = offline_result("decode_offline")
 print(f"offline: {offline['output_tok_per_s']:,.0f} output tok/s ({offline['num_prompts']} prompts, {offline['seconds']:.2f} s)")
+try:
+    again = offline_result("decode_offline_again")
+    print(f"offline again, after the served runs: {again['output_tok_per_s']:,.0f} output tok/s ({again['seconds']:.2f} s)")
+except (OSError, IndexError, KeyError) as e:
+    print(f"offline again: no result ({e!r})")
 try:
     text = offline_result("decode_offline_text")
     print(f"offline, text each step (the engine's incremental detokenizer, as serving): "
