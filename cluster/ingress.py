@@ -40,6 +40,7 @@ from kvmesh.cluster.openai_echo import echo_for
 from kvmesh.cluster.openai_request import max_tokens_param, prompts_of, sampling_params_with
 from kvmesh.cluster.openai_responses import Shaper
 from kvmesh.cluster.openai_sse import SseResponse, sse_body, sse_tool_body
+from kvmesh.cluster import responses_api
 from kvmesh.cluster import tokenize_api
 from kvmesh.serve_config import parse_config
 
@@ -232,11 +233,22 @@ class Ingress(GrpcService, HealthService):
     async def completions(self, request: Request):
         return await self._complete(request, "completion")
 
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, text only, run as the chat it asks for (cluster/responses_api.py)."""
+        return await self._complete(request, "responses")
+
     async def _complete(self, request: Request, kind: str):
         arrival = time.time()
+        responses = None  # a Responses request: its shaper, and errors named in its fields
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
-            req = await self._parse(request, kind)
+            if kind == "responses":
+                raw = await self._json(request)
+                responses = responses_api.ResponseShaper(raw, self.frontend.model_name, now())
+                req, kind = parse_request(responses_api.chat_body(raw), ChatCompletionRequest), "chat"
+            else:
+                req = await self._parse(request, kind)
             structured = parse_structured(req)
             tools = parse_tools(req) if kind == "chat" else None
             if tools is not None and tools.parses_output and req.stream and req.logprobs:
@@ -268,7 +280,9 @@ class Ingress(GrpcService, HealthService):
                     streams = [await self.pipeline.stream(admitted[0])]
                 else:  # started at once, as vLLM runs them
                     streams = await self.pipeline.streams_of_several(admitted)
-                if tools is not None:  # chat: one prompt
+                if responses is not None:  # one prompt, one choice
+                    body = responses_api.sse_events(streams[0], responses)
+                elif tools is not None:  # chat: one prompt
                     body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n)
                 else:
                     choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
@@ -286,6 +300,8 @@ class Ingress(GrpcService, HealthService):
                            result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
                            result.last.num_cached_tokens)
                 for one, result, echo in zip(admitted, results, echoes)])
+            if responses is not None:
+                return responses_api.response_body(responses, body)
             if tools is not None and tools.parses_output:  # each choice parsed on its own
                 sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
                 for choice, sequence in zip(body["choices"], sequences):
@@ -298,6 +314,8 @@ class Ingress(GrpcService, HealthService):
                         tools, calls)
             return body
         except ApiError as e:
+            if responses is not None:
+                e = responses_api.in_responses_terms(e, responses.body)
             return _error_response(self.pipeline.refused(e))
 
     async def _parse(self, request: Request, kind: str):

@@ -766,6 +766,109 @@ def test_lm_eval_runs_a_loglikelihood_and_a_generate_until_task(cluster, tmp_pat
     assert results["kvmesh_capitals"]["sample_len"] == results["kvmesh_addition"]["sample_len"] == 4
 
 
+# ---- the Responses API (docs/SERVING.md "Use it") ---------------------------------------------
+
+def responses_events(cluster, body) -> list[tuple[str, dict]]:
+    """A streamed /v1/responses answer as (event line, data) pairs."""
+    req = urllib.request.Request(cluster.http_url + "/v1/responses", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = []
+    for block in filter(None, raw.split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+def test_a_response_answers_the_text_of_the_same_chat(openai_client, offline_text):
+    r = openai_client.responses.create(model=MODEL, input=MESSAGES[0]["content"], max_output_tokens=24,
+                                       temperature=0.8, extra_body={"seed": SEED})
+    chat = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.8,
+                                                 seed=SEED)
+    assert r.output_text == offline_text == chat.choices[0].message.content
+    assert r.id.startswith("resp_") and r.model == MODEL and r.store is False
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+
+def test_a_streamed_response_is_openais_typed_events_in_order(cluster, offline_text):
+    from pydantic import TypeAdapter
+    from openai.types.responses import ResponseStreamEvent
+
+    events = responses_events(cluster, {"model": MODEL, "input": MESSAGES[0]["content"], "max_output_tokens": 24,
+                                        "temperature": 0.8, "seed": SEED, "metadata": {"k": "v"}})
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for name, data in events:
+        assert name == data["type"]
+        adapter.validate_python(data)  # each as the official client's types define it
+    kinds = [name for name, _ in events]
+    deltas = [data["delta"] for name, data in events if name == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas):-1] == ["response.output_text.done", "response.content_part.done",
+                                         "response.output_item.done"]
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    final = events[-1][1]["response"]
+    assert "".join(deltas) == events[-4][1]["text"] == final["output"][0]["content"][0]["text"] == offline_text
+    assert kinds[-1] == ("response.completed" if final["status"] == "completed" else "response.incomplete")
+    assert final["metadata"] == {"k": "v"} and final["usage"]["output_tokens"] > 0
+    assert events[0][1]["response"]["id"] == final["id"] and events[0][1]["response"]["status"] == "in_progress"
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete_streamed_or_not(cluster, openai_client):
+    body = {"model": MODEL, "input": "abc abc abc", "max_output_tokens": 2, "temperature": 0}
+    r = openai_client.responses.create(**body)
+    assert (r.status, r.incomplete_details.reason, r.usage.output_tokens) == ("incomplete", "max_output_tokens", 2)
+    events = responses_events(cluster, body)
+    assert events[-1][0] == "response.incomplete"
+    assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == r.output_text
+
+
+def test_instructions_and_message_items_are_the_chat_with_a_system_message(openai_client):
+    chat = openai_client.chat.completions.create(
+        model=MODEL, max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me"},
+                  {"role": "assistant", "content": "about"}, {"role": "user", "content": "the sea."}])
+    r = openai_client.responses.create(
+        model=MODEL, instructions="Be brief.", max_output_tokens=12, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Tell me"}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "about"}]},
+               {"type": "message", "role": "user", "content": "the sea."}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_response_in_a_json_schema_format_is_that_json(openai_client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = openai_client.responses.create(model=MODEL, input="Is the sea blue?", max_output_tokens=40,
+                                       text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert json.loads(r.output_text)["answer"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0].type"),
+    ({"max_output_tokens": 10 ** 7}, "max_output_tokens"),  # beyond the context: the pipeline's check
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
+    ({"frobnicate": 1}, "frobnicate")])
+def test_a_response_field_that_cannot_be_honoured_is_a_400_naming_it(cluster, openai_client, extra, param):
+    status, body, _ = post(cluster, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
+    assert status == 400 and body["error"]["param"] == param, body
+    assert post(cluster, "/v1/responses", ["not an object"])[0] == 400
+    assert openai_client.responses.create(model=MODEL, input="hi", max_output_tokens=2).usage.output_tokens == 2
+
+
 # ---- docs/SERVING.md claims (before the faults: those kill a replica) ----------------------------
 
 def test_kvmesh_serve_prints_the_http_and_grpc_endpoints_and_the_ray_address(cluster):

@@ -1,0 +1,275 @@
+"""OpenAI's Responses API (`POST /v1/responses`), text in and text out, over the chat pipeline.
+
+A request is checked and turned into the chat completion it asks for (`chat_body`): `input` (a
+string, or a list of messages whose content is a string or input_text / output_text parts) after
+`instructions` as a system message, `max_output_tokens`, `temperature`, `top_p`, `text.format`
+(text, json_object, json_schema: the chat's response_format), `user`, `stream`, and vLLM's sampling
+fields (seed, stop, top_k, min_p, penalties). What it cannot honour is refused with a 400 naming the
+field: tools, stored responses (`store: true`, `previous_response_id`), `reasoning`, `include`,
+`truncation: "auto"`, image / file / audio parts, non-message input items, and any unknown field.
+Nothing is stored: every response says `store: false`.
+
+Its answer is a `response` object (`response_body`) or, streamed, OpenAI's typed server-sent
+events (`sse_events`): response.created, response.in_progress, response.output_item.added,
+response.content_part.added, one response.output_text.delta per text delta, the matching .done
+events, then response.completed, or response.incomplete when max_output_tokens (or the context)
+ended it, or response.failed when the worker failed mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from kvmesh.cluster.openai_protocol import ApiError
+
+# Sampling fields of the chat API (vLLM's extensions included) passed through under their own names.
+SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+                    "stream", "store", "metadata", "user", "text", "tools", "tool_choice",
+                    "parallel_tool_calls", "truncation", "previous_response_id", "reasoning", "include",
+                    *SAMPLING_EXTRAS})
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = {"input_text", "output_text"}
+MAX_METADATA_KEYS = 16  # OpenAI's limit
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def chat_body(body: Any) -> dict:
+    """The chat completion request a Responses request asks for; ApiError(400) naming the field
+    of what it cannot honour."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in FIELDS:
+            raise _bad(name, f"not a field of /v1/responses here (known: {', '.join(sorted(FIELDS))})")
+    if body.get("tools"):
+        raise _bad("tools", "tools are not supported on /v1/responses; use /v1/chat/completions, "
+                   "which takes function tools")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise _bad("tool_choice", "only \"auto\" or \"none\": no tools can be given here")
+    if body.get("store"):
+        raise _bad("store", "responses are not stored; send store: false or leave it out")
+    if body.get("previous_response_id") is not None:
+        raise _bad("previous_response_id", "responses are not stored, so none can be continued; "
+                   "send the conversation in input")
+    if body.get("reasoning") is not None:
+        raise _bad("reasoning", "the served model has no reasoning settings")
+    if body.get("include"):
+        raise _bad("include", "no extra output can be included")
+    if body.get("truncation") not in (None, "disabled"):
+        raise _bad("truncation", "only \"disabled\": an input longer than the context is refused")
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise _bad("metadata", f"an object of at most {MAX_METADATA_KEYS} string values")
+    if "model" not in body:
+        raise _bad("model", "required")
+    chat: dict = {"model": body["model"], "messages": _messages(body)}
+    if (limit := body.get("max_output_tokens")) is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise _bad("max_output_tokens", "an integer of at least 1")
+        chat["max_completion_tokens"] = limit
+    for name in ("temperature", "top_p", "user", *SAMPLING_EXTRAS):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if (fmt := _response_format(body.get("text"))) is not None:
+        chat["response_format"] = fmt
+    if body.get("stream") is not None:
+        if not isinstance(body["stream"], bool):
+            raise _bad("stream", "a boolean")
+        chat["stream"] = body["stream"]
+    return chat
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = []
+    if (instructions := body.get("instructions")) is not None:
+        if not isinstance(instructions, str):
+            raise _bad("instructions", "a string")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        if not items:
+            raise _bad("input", "an empty string")
+        return messages + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _bad("input", "a string or a non-empty list of messages")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(where, "a message object")
+        if item.get("type", "message") != "message":
+            raise _bad(f"{where}.type", f"{item.get('type')!r} items are not supported; only messages")
+        role = item.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"one of {', '.join(ROLES)}")
+        messages.append({"role": ROLES[role], "content": _content(item.get("content"), where)})
+    return messages
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise _bad(f"{where}.content", "a string or a non-empty list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise _bad(f"{where}.content[{j}].type", f"only text parts ({', '.join(sorted(TEXT_PARTS))}); "
+                       f"got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}.content[{j}].text", "a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _response_format(text: Any) -> dict | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict) or set(text) - {"format"}:
+        raise _bad("text", "an object with a format")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict) or not isinstance(fmt.get("name"), str):
+            raise _bad("text.format", "json_schema needs a name and a schema object")
+        schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise _bad("text.format.type", f"one of text, json_object, json_schema; got {kind!r}")
+
+
+class ResponseShaper:
+    """The response object of one request, in progress or done, for its body and its events."""
+
+    def __init__(self, body: dict, model: str, created_at: int):
+        self.id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of these ids: an underscore
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.body = body
+        self.model = model
+        self.created_at = created_at
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None,
+                 incomplete: str | None = None, error: dict | None = None) -> dict:
+        body = self.body
+        text = body.get("text") or {"format": {"type": "text"}}
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
+                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "model": self.model, "output": output,
+                "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
+                "reasoning": None, "store": False, "temperature": body.get("temperature", 1.0),
+                "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": [],
+                "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
+                "user": body.get("user"), "metadata": body.get("metadata") or {}}
+
+    def message(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self.part(text)]
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
+                "content": content}
+
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    # cache_write_tokens (tokens newly written to a prompt cache, a field the client requires) is not
+    # counted here: 0
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def _ending(finish_reason: str | None) -> tuple[str, str | None]:
+    """(the response's status, the reason it is incomplete) for the chat's finish reason."""
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None
+
+
+def response_body(shaper: ResponseShaper, chat: dict) -> dict:
+    """The response object of a finished chat completion body (one choice)."""
+    choice = chat["choices"][0]
+    status, incomplete = _ending(choice.get("finish_reason"))
+    u = chat["usage"]
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return shaper.response(status, [shaper.message(choice["message"].get("content") or "", status)],
+                           usage(u["prompt_tokens"], u["completion_tokens"], cached), incomplete)
+
+
+def _event(kind: str, sequence: int, **data) -> bytes:
+    payload = json.dumps({"type": kind, "sequence_number": sequence, **data}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+
+async def sse_events(stream, shaper: ResponseShaper):
+    """The typed events of a streamed response over an admitted request's DeltaStream; closing it
+    closes the stream (SseResponse does so however the response ends)."""
+    sequence = 0
+
+    def event(kind: str, **data) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return _event(kind, sequence - 1, **data)
+
+    where = {"item_id": shaper.message_id, "output_index": 0, "content_index": 0}
+    async with stream:
+        yield event("response.created", response=shaper.response("in_progress", []))
+        yield event("response.in_progress", response=shaper.response("in_progress", []))
+        yield event("response.output_item.added", output_index=0, item=shaper.message(None, "in_progress"))
+        yield event("response.content_part.added", **where, part=shaper.part(""))
+        texts, last = [], None
+        async for delta in stream:
+            last = delta
+            if delta.text:
+                texts.append(delta.text)
+                yield event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
+        text = "".join(texts)
+        if last is None or last.finish_reason in ("error", "abort"):
+            message = (last.error if last is not None else None) or "the worker ended the request"
+            yield event("response.failed", response=shaper.response(
+                "failed", [shaper.message(text, "incomplete")],
+                error={"code": "server_error", "message": message}))
+            return
+        status, incomplete = _ending(last.finish_reason)
+        yield event("response.output_text.done", **where, text=text, logprobs=[])
+        yield event("response.content_part.done", **where, part=shaper.part(text))
+        yield event("response.output_item.done", output_index=0, item=shaper.message(text, status))
+        done = usage(last.num_prompt_tokens or stream.routed.num_prompt_tokens, stream.num_tokens,
+                     last.num_cached_tokens)
+        yield event("response.completed" if status == "completed" else "response.incomplete",
+                    response=shaper.response(status, [shaper.message(text, status)], done, incomplete))
+
+
+def in_responses_terms(error: ApiError, body: dict) -> ApiError:
+    """An error the chat path raised, naming the Responses request's fields instead of the chat's:
+    max_completion_tokens is max_output_tokens, response_format (and its json_schema) is text.format,
+    messages[i] is input[i] (one less with instructions first), the prompt is the input."""
+    shift = 1 if isinstance(body, dict) and body.get("instructions") is not None else 0
+
+    def rename(text: str | None) -> str | None:
+        if text is None:
+            return None
+        text = (text.replace("max_completion_tokens", "max_output_tokens")
+                .replace("response_format.json_schema", "text.format").replace("response_format", "text.format"))
+        head, sep, rest = text.partition("messages[")
+        if sep and (index := rest.split("]", 1)[0]).isdigit():
+            text = f"{head}input[{max(0, int(index) - shift)}]{rest[len(index) + 1:]}"
+        return text.replace("messages", "input")
+
+    return ApiError(error.status, rename(error.message), rename(error.param), error.type, error.code,
+                    error.retry_after_s)

@@ -1,0 +1,138 @@
+"""The Responses API's request translation and response shaping (cluster/responses_api.py), as
+docs/SERVING.md states them; the endpoint itself, streamed and not, against the chat path and the
+offline engine: tests/integration/test_cluster_serving.py."""
+
+import pytest
+
+from kvmesh.cluster.openai_protocol import ApiError, ChatCompletionRequest, parse_request
+from kvmesh.cluster.responses_api import (ResponseShaper, chat_body, in_responses_terms,
+                                          response_body)
+
+
+def test_input_string_instructions_and_limits_become_the_chat_request():
+    chat = chat_body({"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 9,
+                      "temperature": 0.5, "top_p": 0.9, "user": "u", "stream": True, "seed": 3,
+                      "stop": ["\n"], "top_k": 4, "metadata": {"k": "v"}, "store": False,
+                      "tool_choice": "auto", "truncation": "disabled", "parallel_tool_calls": True})
+    assert chat == {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Hi"}],
+                    "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "user": "u",
+                    "seed": 3, "stop": ["\n"], "top_k": 4, "stream": True}
+    parse_request(chat, ChatCompletionRequest)  # a valid chat request
+
+
+def test_message_items_with_text_parts_and_developer_as_system():
+    chat = chat_body({"model": "m", "input": [
+        {"role": "developer", "content": "Rules."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]}]})
+    assert chat["messages"] == [{"role": "system", "content": "Rules."}, {"role": "user", "content": "ab"},
+                                {"role": "assistant", "content": "c"}]
+
+
+@pytest.mark.parametrize("text,expected", [
+    (None, None), ({"format": {"type": "text"}}, None), ({"format": {"type": "json_object"}}, {"type": "json_object"}),
+    ({"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}},
+     {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}})])
+def test_text_format_is_the_chats_response_format(text, expected):
+    body = {"model": "m", "input": "x"}
+    if text is not None:
+        body["text"] = text
+    assert chat_body(body).get("response_format") == expected
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": True}, "max_output_tokens"),
+    ({"metadata": {"k": 1}}, "metadata"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"stream": "yes"}, "stream"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    ({"instructions": 3}, "instructions"),
+])
+def test_what_it_cannot_honour_is_a_400_naming_the_field(extra, param):
+    with pytest.raises(ApiError) as e:
+        chat_body({"model": "m", "input": "x", **extra})
+    assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
+    assert e.value.message.startswith(param)
+
+
+def test_model_is_required_and_the_body_is_an_object():
+    with pytest.raises(ApiError) as e:
+        chat_body({"input": "x"})
+    assert e.value.param == "model"
+    with pytest.raises(ApiError):
+        chat_body(["x"])
+
+
+def test_chat_errors_are_named_in_the_responses_fields():
+    body = {"model": "m", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            "instructions": "s"}
+    e = in_responses_terms(ApiError(400, "max_completion_tokens is 9 but only 3 are left",
+                                    param="max_completion_tokens"), body)
+    assert (e.param, e.message) == ("max_output_tokens", "max_output_tokens is 9 but only 3 are left")
+    e = in_responses_terms(ApiError(400, "messages[2].content: too long", param="messages[2].content"), body)
+    assert e.param == "input[1].content"  # the instructions are messages[0]
+    e = in_responses_terms(ApiError(400, "response_format: bad", param="response_format"), body)
+    assert e.param == "text.format"
+    e = in_responses_terms(ApiError(400, "response_format.json_schema.schema: bad",
+                                    param="response_format.json_schema.schema"), body)
+    assert (e.param, e.message) == ("text.format.schema", "text.format.schema: bad")
+    e = in_responses_terms(ApiError(503, "no worker", type="service_unavailable", retry_after_s=2), body)
+    assert (e.status, e.param, e.type, e.retry_after_s) == (503, None, "service_unavailable", 2)
+    assert in_responses_terms(ApiError(400, "the request body must be a JSON object"), ["x"]).status == 400
+
+
+def chat_completion(content, finish_reason, cached=0):
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": finish_reason}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                      "prompt_tokens_details": {"cached_tokens": cached}}}
+
+
+def test_a_finished_chat_is_a_completed_response_object():
+    request = {"model": "m", "input": "x", "metadata": {"k": "v"}, "temperature": 0.3}
+    shaper = ResponseShaper(request, "served-name", 1700000000)
+    body = response_body(shaper, chat_completion("Paris.", "stop", cached=4))
+    assert body["id"].startswith("resp_") and body["object"] == "response" and body["status"] == "completed"
+    assert body["model"] == "served-name" and body["created_at"] == 1700000000
+    assert body["store"] is False and body["metadata"] == {"k": "v"} and body["temperature"] == 0.3
+    assert body["incomplete_details"] is None and body["error"] is None
+    [message] = body["output"]
+    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
+    assert message["id"].startswith("msg_")
+    assert message["content"] == [{"type": "output_text", "text": "Paris.", "annotations": [], "logprobs": []}]
+    assert body["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
+                             "output_tokens": 5,
+                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}
+
+
+def test_a_chat_cut_by_length_is_incomplete_for_max_output_tokens():
+    body = response_body(ResponseShaper({"model": "m", "input": "x"}, "m", 0), chat_completion("Par", "length"))
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["status"] == "incomplete"
+
+
+def test_the_official_client_parses_the_response_object():
+    from openai.types.responses import Response
+
+    shaper = ResponseShaper({"model": "m", "input": "x"}, "m", 0)
+    parsed = Response.model_validate(response_body(shaper, chat_completion("Paris.", "stop")))
+    assert parsed.output_text == "Paris." and parsed.usage.output_tokens == 5
