@@ -19,6 +19,7 @@ ended it, or response.failed when the worker failed mid-stream.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -64,6 +65,8 @@ def chat_body(body: Any) -> dict:
         raise _bad("include", "no extra output can be included")
     if body.get("truncation") not in (None, "disabled"):
         raise _bad("truncation", "only \"disabled\": an input longer than the context is refused")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise _bad("parallel_tool_calls", "a boolean")
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS
                                  or not all(isinstance(v, str) for v in metadata.values())):
@@ -101,13 +104,13 @@ def _messages(body: dict) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise _bad("input", "a string or a non-empty list of messages")
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"input.{i}"
         if not isinstance(item, dict):
             raise _bad(where, "a message object")
         if item.get("type", "message") != "message":
             raise _bad(f"{where}.type", f"{item.get('type')!r} items are not supported; only messages")
         role = item.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"{where}.role", f"one of {', '.join(ROLES)}")
         messages.append({"role": ROLES[role], "content": _content(item.get("content"), where)})
     return messages
@@ -122,10 +125,10 @@ def _content(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS:
-            raise _bad(f"{where}.content[{j}].type", f"only text parts ({', '.join(sorted(TEXT_PARTS))}); "
+            raise _bad(f"{where}.content.{j}.type", f"only text parts ({', '.join(sorted(TEXT_PARTS))}); "
                        f"got {kind!r}")
         if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}.content[{j}].text", "a string")
+            raise _bad(f"{where}.content.{j}.text", "a string")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -258,7 +261,7 @@ async def sse_events(stream, shaper: ResponseShaper):
 def in_responses_terms(error: ApiError, body: dict) -> ApiError:
     """An error the chat path raised, naming the Responses request's fields instead of the chat's:
     max_completion_tokens is max_output_tokens, response_format (and its json_schema) is text.format,
-    messages[i] is input[i] (one less with instructions first), the prompt is the input."""
+    messages.N is input.N (one less with instructions first), the prompt is the input."""
     shift = 1 if isinstance(body, dict) and body.get("instructions") is not None else 0
 
     def rename(text: str | None) -> str | None:
@@ -266,9 +269,7 @@ def in_responses_terms(error: ApiError, body: dict) -> ApiError:
             return None
         text = (text.replace("max_completion_tokens", "max_output_tokens")
                 .replace("response_format.json_schema", "text.format").replace("response_format", "text.format"))
-        head, sep, rest = text.partition("messages[")
-        if sep and (index := rest.split("]", 1)[0]).isdigit():
-            text = f"{head}input[{max(0, int(index) - shift)}]{rest[len(index) + 1:]}"
+        text = re.sub(r"messages\.(\d+)", lambda m: f"input.{max(0, int(m.group(1)) - shift)}", text)
         return text.replace("messages", "input")
 
     return ApiError(error.status, rename(error.message), rename(error.param), error.type, error.code,

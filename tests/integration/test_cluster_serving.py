@@ -858,7 +858,7 @@ def test_a_response_in_a_json_schema_format_is_that_json(openai_client):
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "input[0].content[0].type"),
+     "input.0.content.0.type"),
     ({"max_output_tokens": 10 ** 7}, "max_output_tokens"),  # beyond the context: the pipeline's check
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
     ({"frobnicate": 1}, "frobnicate")])

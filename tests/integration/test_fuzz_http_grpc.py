@@ -40,7 +40,10 @@ HTTP_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_toke
                "logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "best_of",
                "suffix", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
                "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-               "tool_choice", "parallel_tool_calls", "function_call")
+               "tool_choice", "parallel_tool_calls", "function_call",
+               # /v1/responses (cluster/responses_api.py)
+               "input", "instructions", "max_output_tokens", "text", "store", "previous_response_id",
+               "reasoning", "include", "truncation", "metadata")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,37 @@ chat_body = st.fixed_dictionaries(
     optional={**FIELDS, "unknown_field": json_value})
 
 
+text_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image"]) | json_value,
+     "text": any_text | json_value})
+input_item = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | json_value},
+    optional={"type": st.sampled_from(["message", "function_call"]) | json_value,
+              "content": any_text | st.lists(text_part, max_size=3) | json_value})
+RESPONSES_FIELDS = {
+    **{name: FIELDS[name] for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                       "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                       "stream", "user", "tools", "tool_choice")},
+    "instructions": any_text | json_value,
+    "max_output_tokens": st.integers(-1, MAX_OUTPUT + 2) | json_value,
+    "metadata": st.dictionaries(any_text, any_text, max_size=3) | json_value,
+    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | json_value},
+        optional={"name": any_text | json_value, "schema": json_value})}) | json_value,
+    "store": st.booleans() | json_value, "previous_response_id": st.none() | any_text,
+    "reasoning": st.none() | json_value, "include": json_value,
+    "truncation": st.sampled_from(["disabled", "auto"]) | json_value,
+    "parallel_tool_calls": st.booleans() | json_value,
+}
+
+responses_body = st.fixed_dictionaries(
+    {"model": model_field, "input": any_text | st.lists(input_item, max_size=3) | json_value},
+    optional={**RESPONSES_FIELDS, "unknown_field": json_value})
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+BODIES = {"completions": completion_body, "chat": chat_body, "responses": responses_body}
+
+
 def _read_sse(raw: str) -> list[dict]:
     chunks = []
     for line in raw.splitlines():
@@ -164,6 +198,9 @@ def _check_http_answer(status, body, request):
             # body itself (a surrogate in a top-level key)
             top = param.split(".")[0] if param else None
             assert top in HTTP_FIELDS or top in request or top == "body", (body, request)
+    elif "raw" in body and "input" in request:  # a streamed response: OpenAI's typed events
+        events = _read_sse(body["raw"])
+        assert events and events[-1]["type"] in ("response.completed", "response.incomplete"), body["raw"][-300:]
     elif "raw" in body:  # a 200 that is not JSON: an SSE stream
         text = body["raw"]
         assert text.rstrip().endswith("data: [DONE]"), text[-300:]
@@ -178,12 +215,11 @@ def test_http_bad_bodies_get_a_4xx_naming_the_field_and_the_server_keeps_answeri
     count = {"n": 0}
 
     @FUZZ_SETTINGS
-    @given(kind=st.sampled_from(["completions", "chat"]), data=st.data())
+    @given(kind=st.sampled_from(sorted(PATHS)), data=st.data())
     def run(kind, data):
-        request = data.draw(completion_body if kind == "completions" else chat_body)
+        request = data.draw(BODIES[kind])
         raw = json.dumps(request, allow_nan=True).encode()
-        status, body, _ = http(f"{cluster.http_url}/v1/{'chat/' if kind == 'chat' else ''}completions",
-                               raw=raw, timeout=60)
+        status, body, _ = http(cluster.http_url + PATHS[kind], raw=raw, timeout=60)
         _check_http_answer(status, body, request)
         count["n"] += 1
         if count["n"] % CHECK_EVERY == 0:
@@ -216,7 +252,7 @@ RAW_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_raw_malformed_bodies_are_4xx(cluster, reference_text, path):
     for raw in RAW_BODIES:
         status, body, _ = http(cluster.http_url + path, raw=raw, timeout=60)

@@ -55,16 +55,19 @@ def test_text_format_is_the_chats_response_format(text, expected):
     ({"metadata": {"k": 1}}, "metadata"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"stream": "yes"}, "stream"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type"),
-    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"role": []}]}, "input.0.role"),
+    ({"input": [{"role": "user"}]}, "input.0.content"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+     "input.0.content.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
     ({"instructions": 3}, "instructions"),
 ])
 def test_what_it_cannot_honour_is_a_400_naming_the_field(extra, param):
@@ -88,8 +91,8 @@ def test_chat_errors_are_named_in_the_responses_fields():
     e = in_responses_terms(ApiError(400, "max_completion_tokens is 9 but only 3 are left",
                                     param="max_completion_tokens"), body)
     assert (e.param, e.message) == ("max_output_tokens", "max_output_tokens is 9 but only 3 are left")
-    e = in_responses_terms(ApiError(400, "messages[2].content: too long", param="messages[2].content"), body)
-    assert e.param == "input[1].content"  # the instructions are messages[0]
+    e = in_responses_terms(ApiError(400, "messages.2.content: too long", param="messages.2.content"), body)
+    assert (e.param, e.message) == ("input.1.content", "input.1.content: too long")  # instructions: messages.0
     e = in_responses_terms(ApiError(400, "response_format: bad", param="response_format"), body)
     assert e.param == "text.format"
     e = in_responses_terms(ApiError(400, "response_format.json_schema.schema: bad",
