@@ -139,3 +139,14 @@ def test_the_official_client_parses_the_response_object():
     shaper = ResponseShaper({"model": "m", "input": "x"}, "m", 0)
     parsed = Response.model_validate(response_body(shaper, chat_completion("Paris.", "stop")))
     assert parsed.output_text == "Paris." and parsed.usage.output_tokens == 5
+
+
+def test_a_previous_responses_output_items_can_be_sent_back_as_input():
+    """What a client does to continue a conversation without stored responses: input = the
+    earlier input + response.output (items with id, status, annotations and logprobs)."""
+    shaper = ResponseShaper({"model": "m", "input": "Hi"}, "m", 0)
+    earlier = response_body(shaper, chat_completion("Hello!", "stop"))
+    chat = chat_body({"model": "m", "input": [{"role": "user", "content": "Hi"}, *earlier["output"],
+                                              {"role": "user", "content": "Bye"}]})
+    assert chat["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                                {"role": "user", "content": "Bye"}]
