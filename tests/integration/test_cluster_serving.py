@@ -293,18 +293,25 @@ def test_server_keeps_serving_after_errors(cluster):
 # ---- cancellation ---------------------------------------------------------------------------------
 
 def test_a_client_that_disconnects_aborts_its_request_on_the_worker(cluster, openai_client):
-    stream = openai_client.completions.create(model=MODEL, prompt="go on forever", max_tokens=1500,
-                                              temperature=0, stream=True)
-    next(iter(stream))
-    deadline = time.monotonic() + 10  # the gauge is the worker's load report: it may lag the first token
-    while sum(worker_gauge(cluster, "kvmesh_running_requests").values()) < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) >= 1
-    stream.close()
-    deadline = time.monotonic() + 15  # ~1500 tokens would take far longer than this
-    while time.monotonic() < deadline:
-        if sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0:
+    """The worker stops the request (counted as an abort, not an end by length) and its running
+    count goes back to 0. Tried on a request that can still be running (2,000 tokens, ignore_eos:
+    the tiny model makes ~1,000 tokens a second, so a wait for the count alone could not fail);
+    one that ended before the server saw the client leave is tried again."""
+    for attempt in range(3):
+        before = ends_by_reason(cluster)
+        stream = openai_client.completions.create(model=MODEL, prompt="go on forever", max_tokens=2000,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        ended = ends_after(cluster, before, 1)
+        if ended == {"abort": 1}:
             break
+        assert ended == {"length": 1}, ended
+        print(f"attempt {attempt}: the stream ended before the server saw its client leave")
+    else:
+        raise AssertionError("no stream left by its client was counted as an abort in 3 tries")
+    deadline = time.monotonic() + 15
+    while sum(worker_gauge(cluster, "kvmesh_running_requests").values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sum(worker_gauge(cluster, "kvmesh_running_requests").values()) == 0
 
@@ -852,6 +859,28 @@ def test_a_response_in_a_json_schema_format_is_that_json(openai_client):
     r = openai_client.responses.create(model=MODEL, input="Is the sea blue?", max_output_tokens=40,
                                        text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
     assert json.loads(r.output_text)["answer"] in ("yes", "no")
+
+
+def test_a_client_that_leaves_a_streamed_response_aborts_its_request_on_the_worker(cluster, openai_client):
+    """Counted as an abort (vllm:request_success_total), not an end by length. Tried on a request
+    that can still be running (2,000 tokens); one that ended before the server saw the client
+    leave (a loaded machine: the tiny model makes ~1,000 tokens a second) is tried again."""
+    settled_count(cluster, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
+    for attempt in range(3):
+        before = ends_by_reason(cluster)
+        stream = openai_client.responses.create(model=MODEL, input="go on forever", max_output_tokens=2000,
+                                                temperature=0, stream=True)
+        events = iter(stream)
+        while next(events).type != "response.output_text.delta":  # generating
+            pass
+        stream.close()
+        ended = ends_after(cluster, before, 1)
+        if ended == {"abort": 1}:
+            break
+        assert ended in ({"length": 1}, {"stop": 1}), ended
+        print(f"attempt {attempt}: the response ended before the server saw its client leave")
+    else:
+        raise AssertionError("no response left by its client was counted as an abort in 3 tries")
 
 
 @pytest.mark.parametrize("extra,param", [
