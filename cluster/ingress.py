@@ -235,7 +235,8 @@ class Ingress(GrpcService, HealthService):
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
-        """OpenAI's Responses API, text only, run as the chat it asks for (cluster/responses_api.py)."""
+        """OpenAI's Responses API (text and function tools), run as the chat it asks for
+        (cluster/responses_api.py)."""
         return await self._complete(request, "responses")
 
     async def _complete(self, request: Request, kind: str):
@@ -281,7 +282,7 @@ class Ingress(GrpcService, HealthService):
                 else:  # started at once, as vLLM runs them
                     streams = await self.pipeline.streams_of_several(admitted)
                 if responses is not None:  # one prompt, one choice
-                    body = responses_api.sse_events(streams[0], responses)
+                    body = responses_api.sse_events(streams[0], responses, tools)
                 elif tools is not None:  # chat: one prompt
                     body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n)
                 else:
@@ -300,8 +301,6 @@ class Ingress(GrpcService, HealthService):
                            result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
                            result.last.num_cached_tokens)
                 for one, result, echo in zip(admitted, results, echoes)])
-            if responses is not None:
-                return responses_api.response_body(responses, body)
             if tools is not None and tools.parses_output:  # each choice parsed on its own
                 sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
                 for choice, sequence in zip(body["choices"], sequences):
@@ -312,6 +311,8 @@ class Ingress(GrpcService, HealthService):
                     choice["finish_reason"] = tool_parser.finish_reason(
                         sequence.last.finish_reason if sequence.last is not None else None,
                         tools, calls)
+            if responses is not None:
+                return responses_api.response_body(responses, body)
             return body
         except ApiError as e:
             if responses is not None:

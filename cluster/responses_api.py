@@ -1,19 +1,24 @@
-"""OpenAI's Responses API (`POST /v1/responses`), text in and text out, over the chat pipeline.
+"""OpenAI's Responses API (`POST /v1/responses`), text and function tools, over the chat pipeline.
 
 A request is checked and turned into the chat completion it asks for (`chat_body`): `input` (a
 string, or a list of messages whose content is a string or input_text / output_text parts) after
 `instructions` as a system message, `max_output_tokens`, `temperature`, `top_p`, `text.format`
 (text, json_object, json_schema: the chat's response_format), `user`, `stream`, and vLLM's sampling
-fields (seed, stop, top_k, min_p, penalties). What it cannot honour is refused with a 400 naming the
-field: tools, stored responses (`store: true`, `previous_response_id`), `reasoning`, `include`,
-`truncation: "auto"`, image / file / audio parts, non-message input items, and any unknown field.
-Nothing is stored: every response says `store: false`.
+fields (seed, stop, top_k, min_p, penalties). Function `tools`, `tool_choice` and
+`parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
+`function_call` / `function_call_output` input items are an assistant's tool calls and their tool
+messages. What it cannot honour is refused with a 400 naming the field: other tool types, stored
+responses (`store: true`, `previous_response_id`), `reasoning`, `include`, `truncation: "auto"`,
+image / file / audio parts, other input items, and any unknown field. Nothing is stored: every
+response says `store: false`.
 
-Its answer is a `response` object (`response_body`) or, streamed, OpenAI's typed server-sent
-events (`sse_events`): response.created, response.in_progress, response.output_item.added,
-response.content_part.added, one response.output_text.delta per text delta, the matching .done
-events, then response.completed, or response.incomplete when max_output_tokens (or the context)
-ended it, or response.failed when the worker failed mid-stream.
+Its answer is a `response` object (`response_body`) whose output is the assistant's message and
+then one `function_call` item per tool call, or, streamed, OpenAI's typed server-sent events
+(`sse_events`): response.created, response.in_progress; for the message
+response.output_item.added, response.content_part.added, one response.output_text.delta per text
+delta; for each call response.output_item.added and its response.function_call_arguments.delta
+fragments; then each item's .done events, and response.completed, or response.incomplete when
+max_output_tokens (or the context) ended it, or response.failed when the worker failed mid-stream.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import re
 import uuid
 from typing import Any
 
+from kvmesh.cluster import tool_parser
 from kvmesh.cluster.openai_protocol import ApiError
 
 # Sampling fields of the chat API (vLLM's extensions included) passed through under their own names.
@@ -49,11 +55,6 @@ def chat_body(body: Any) -> dict:
     for name in body:
         if name not in FIELDS:
             raise _bad(name, f"not a field of /v1/responses here (known: {', '.join(sorted(FIELDS))})")
-    if body.get("tools"):
-        raise _bad("tools", "tools are not supported on /v1/responses; use /v1/chat/completions, "
-                   "which takes function tools")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise _bad("tool_choice", "only \"auto\" or \"none\": no tools can be given here")
     if body.get("store"):
         raise _bad("store", "responses are not stored; send store: false or leave it out")
     if body.get("previous_response_id") is not None:
@@ -74,6 +75,16 @@ def chat_body(body: Any) -> dict:
     if "model" not in body:
         raise _bad("model", "required")
     chat: dict = {"model": body["model"], "messages": _messages(body)}
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+        if (choice := body.get("tool_choice")) is not None:
+            chat["tool_choice"] = _tool_choice(choice)
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    elif body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise _bad("tools", "a list of function tools")
+    elif body.get("tool_choice") not in (None, "auto", "none"):
+        raise _bad("tool_choice", "needs tools")
     if (limit := body.get("max_output_tokens")) is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise _bad("max_output_tokens", "an integer of at least 1")
@@ -107,13 +118,58 @@ def _messages(body: dict) -> list[dict]:
         where = f"input.{i}"
         if not isinstance(item, dict):
             raise _bad(where, "a message object")
-        if item.get("type", "message") != "message":
-            raise _bad(f"{where}.type", f"{item.get('type')!r} items are not supported; only messages")
+        kind = item.get("type", "message")
+        if kind == "function_call":  # a call the model made: an assistant message's tool call
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
+                                 "arguments": _string(item, "arguments", where)}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":  # its result: a tool message
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": _string(item, "output", where)})
+            continue
+        if kind != "message":
+            raise _bad(f"{where}.type", f"{kind!r} items are not supported; only message, function_call "
+                       "and function_call_output")
         role = item.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"{where}.role", f"one of {', '.join(ROLES)}")
         messages.append({"role": ROLES[role], "content": _content(item.get("content"), where)})
     return messages
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    if not isinstance(item.get(key), str):
+        raise _bad(f"{where}.{key}", "a string")
+    return item[key]
+
+
+def _tools(tools: Any) -> list[dict]:
+    """Responses' function tools ({"type": "function", "name", ...}) as the chat's."""
+    if not isinstance(tools, list):
+        raise _bad("tools", "a list of function tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise _bad(f"tools.{i}.type", f"only function tools; got {kind!r}")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise _bad(f"tools.{i}.name", "a function needs a name")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                           "strict") if k in tool}})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise _bad("tool_choice", "auto, none, required or {\"type\": \"function\", \"name\": ...}")
 
 
 def _content(content: Any, where: str) -> str:
@@ -174,7 +230,7 @@ class ResponseShaper:
                 "model": self.model, "output": output,
                 "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
                 "reasoning": None, "store": False, "temperature": body.get("temperature", 1.0),
-                "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": [],
+                "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                 "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
                 "user": body.get("user"), "metadata": body.get("metadata") or {}}
 
@@ -204,14 +260,23 @@ def _ending(finish_reason: str | None) -> tuple[str, str | None]:
     return "completed", None
 
 
+def function_call(call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{call_id.rsplit('-', 1)[-1]}", "call_id": call_id,
+            "name": name, "arguments": arguments, "status": status}
+
+
 def response_body(shaper: ResponseShaper, chat: dict) -> dict:
-    """The response object of a finished chat completion body (one choice)."""
+    """The response object of a finished chat completion body (one choice; its tool calls parsed)."""
     choice = chat["choices"][0]
     status, incomplete = _ending(choice.get("finish_reason"))
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    output = [shaper.message(message.get("content") or "", status)] if message.get("content") or not calls else []
+    output += [function_call(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+               for c in calls]
     u = chat["usage"]
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return shaper.response(status, [shaper.message(choice["message"].get("content") or "", status)],
-                           usage(u["prompt_tokens"], u["completion_tokens"], cached), incomplete)
+    return shaper.response(status, output, usage(u["prompt_tokens"], u["completion_tokens"], cached), incomplete)
 
 
 def _event(kind: str, sequence: int, **data) -> bytes:
@@ -219,49 +284,107 @@ def _event(kind: str, sequence: int, **data) -> bytes:
     return f"event: {kind}\ndata: {payload}\n\n".encode()
 
 
-async def sse_events(stream, shaper: ResponseShaper):
-    """The typed events of a streamed response over an admitted request's DeltaStream; closing it
-    closes the stream (SseResponse does so however the response ends)."""
+async def sse_events(stream, shaper: ResponseShaper, tools=None):
+    """The typed events of a streamed response over an admitted request's DeltaStream; with
+    `tools` (a ToolRequest) the text is read into content and tool calls as the chat's stream reads
+    it (tool_parser.ToolStream). Closing it closes the stream (SseResponse does so however the
+    response ends)."""
     sequence = 0
+    items: list[dict] = []  # the output items in order; the message is created at its first text
+    message: dict | None = None
+    calls: dict[int, dict] = {}  # a tool call's index -> its function_call item
 
     def event(kind: str, **data) -> bytes:
         nonlocal sequence
         sequence += 1
         return _event(kind, sequence - 1, **data)
 
-    where = {"item_id": shaper.message_id, "output_index": 0, "content_index": 0}
+    def text_of(item: dict) -> str:
+        return "".join(item["_text"])
+
+    def open_message() -> list[bytes]:
+        nonlocal message
+        message = {"_text": [], "index": len(items)}
+        items.append(message)
+        return [event("response.output_item.added", output_index=message["index"],
+                      item=shaper.message(None, "in_progress")),
+                event("response.content_part.added", item_id=shaper.message_id, output_index=message["index"],
+                      content_index=0, part=shaper.part(""))]
+
+    def pieces_events(pieces: list[dict]) -> list[bytes]:
+        out = []
+        for piece in pieces:
+            if piece.get("content"):
+                if message is None:
+                    out += open_message()
+                message["_text"].append(piece["content"])
+                out.append(event("response.output_text.delta", item_id=shaper.message_id,
+                                 output_index=message["index"], content_index=0, delta=piece["content"],
+                                 logprobs=[]))
+            for part in piece.get("tool_calls") or []:
+                fn = part.get("function") or {}
+                if part["index"] not in calls:  # its first delta: id and name
+                    call = function_call(part["id"], fn["name"], "", "in_progress")
+                    calls[part["index"]] = {"call": call, "_text": [], "index": len(items)}
+                    items.append(calls[part["index"]])
+                    out.append(event("response.output_item.added", output_index=len(items) - 1, item=call))
+                entry = calls[part["index"]]
+                if fn.get("arguments"):
+                    entry["_text"].append(fn["arguments"])
+                    out.append(event("response.function_call_arguments.delta", item_id=entry["call"]["id"],
+                                     output_index=entry["index"], delta=fn["arguments"]))
+        return out
+
+    parser = tool_parser.ToolStream(tools) if tools is not None else None
     async with stream:
         yield event("response.created", response=shaper.response("in_progress", []))
         yield event("response.in_progress", response=shaper.response("in_progress", []))
-        yield event("response.output_item.added", output_index=0, item=shaper.message(None, "in_progress"))
-        yield event("response.content_part.added", **where, part=shaper.part(""))
-        texts, last = [], None
+        if parser is None:
+            for chunk in open_message():
+                yield chunk
+        last = None
         async for delta in stream:
             last = delta
-            if delta.text:
-                texts.append(delta.text)
-                yield event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
-        text = "".join(texts)
+            pieces = parser.feed(delta.text) if parser is not None else [{"content": delta.text}]
+            if parser is not None and delta.finish_reason is not None:
+                pieces += parser.finish()
+            for chunk in pieces_events(pieces):
+                yield chunk
         if last is None or last.finish_reason in ("error", "abort"):
-            message = (last.error if last is not None else None) or "the worker ended the request"
+            error = (last.error if last is not None else None) or "the worker ended the request"
+            done = [shaper.message(text_of(message), "incomplete")] if message is not None else []
             yield event("response.failed", response=shaper.response(
-                "failed", [shaper.message(text, "incomplete")],
-                error={"code": "server_error", "message": message}))
+                "failed", done, error={"code": "server_error", "message": error}))
             return
+        if message is None and not calls:  # no text and no call: an empty message
+            for chunk in open_message():
+                yield chunk
         status, incomplete = _ending(last.finish_reason)
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        yield event("response.content_part.done", **where, part=shaper.part(text))
-        yield event("response.output_item.done", output_index=0, item=shaper.message(text, status))
+        output = []
+        for item in items:
+            if item is message:
+                text = text_of(message)
+                where = {"item_id": shaper.message_id, "output_index": message["index"], "content_index": 0}
+                yield event("response.output_text.done", **where, text=text, logprobs=[])
+                yield event("response.content_part.done", **where, part=shaper.part(text))
+                output.append(shaper.message(text, status))
+            else:
+                call = dict(item["call"], arguments=text_of(item), status="completed")
+                yield event("response.function_call_arguments.done", item_id=call["id"],
+                            output_index=item["index"], name=call["name"], arguments=call["arguments"])
+                output.append(call)
+            yield event("response.output_item.done", output_index=item["index"], item=output[-1])
         done = usage(last.num_prompt_tokens or stream.routed.num_prompt_tokens, stream.num_tokens,
                      last.num_cached_tokens)
         yield event("response.completed" if status == "completed" else "response.incomplete",
-                    response=shaper.response(status, [shaper.message(text, status)], done, incomplete))
+                    response=shaper.response(status, output, done, incomplete))
 
 
 def in_responses_terms(error: ApiError, body: dict) -> ApiError:
     """An error the chat path raised, naming the Responses request's fields instead of the chat's:
     max_completion_tokens is max_output_tokens, response_format (and its json_schema) is text.format,
-    messages.N is input.N (one less with instructions first), the prompt is the input."""
+    messages.N is input.N (one less with instructions first), the prompt is the input, and a tool's
+    tools.N.function.x is tools.N.x."""
     shift = 1 if isinstance(body, dict) and body.get("instructions") is not None else 0
 
     def rename(text: str | None) -> str | None:
@@ -270,6 +393,7 @@ def in_responses_terms(error: ApiError, body: dict) -> ApiError:
         text = (text.replace("max_completion_tokens", "max_output_tokens")
                 .replace("response_format.json_schema", "text.format").replace("response_format", "text.format"))
         text = re.sub(r"messages\.(\d+)", lambda m: f"input.{max(0, int(m.group(1)) - shift)}", text)
+        text = re.sub(r"tools\.(\d+)\.function", r"tools.\1", text)  # Responses' tools are flat
         return text.replace("messages", "input")
 
     return ApiError(error.status, rename(error.message), rename(error.param), error.type, error.code,

@@ -885,7 +885,7 @@ def test_a_client_that_leaves_a_streamed_response_aborts_its_request_on_the_work
 
 @pytest.mark.parametrize("extra,param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.0.content.0.type"),
     ({"max_output_tokens": 10 ** 7}, "max_output_tokens"),  # beyond the context: the pipeline's check

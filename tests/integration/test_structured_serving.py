@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from kvmesh.cluster.local import LocalCluster
-from test_cluster_serving import post
+from test_cluster_serving import post, responses_events
 
 pytestmark = pytest.mark.slow
 
@@ -553,3 +553,44 @@ def test_the_readme_s_client_and_curl_answers_name_paris(cluster):
     status, body, _ = post(cluster, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": question}], "temperature": 0})
     assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
+
+
+# ---- tool calls on the Responses API (cluster/responses_api.py) ---------------------------------
+
+def test_a_responses_tool_call_is_the_chats_streamed_or_not(cluster, openai_client):
+    """tool_choice required on the same prompt at temperature 0: the chat's call (name and
+    arguments) as a function_call item, whole and as streamed events (each as the official client's
+    types define it); then the call and its result sent back as input items are answered."""
+    from pydantic import TypeAdapter
+    from openai.types.responses import ResponseStreamEvent
+
+    chat = openai_client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=80,
+                                                 temperature=0, tools=[WEATHER], tool_choice="required",
+                                                 parallel_tool_calls=False)
+    [expected] = chat.choices[0].message.tool_calls
+    body = {"model": MODEL, "input": ASK_WEATHER[0]["content"], "max_output_tokens": 80, "temperature": 0,
+            "tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": "required",
+            "parallel_tool_calls": False}
+    r = openai_client.responses.create(**body)
+    [call] = r.output
+    assert call.type == "function_call" and r.status == "completed"
+    assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
+    assert call.id.startswith("fc_") and call.status == "completed"
+    events = responses_events(cluster, body)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for _, data in events:
+        adapter.validate_python(data)
+    kinds = [name for name, _ in events]
+    assert kinds[2] == "response.output_item.added" and events[2][1]["item"]["type"] == "function_call"
+    fragments = "".join(data["delta"] for name, data in events if name == "response.function_call_arguments.delta")
+    done = next(data for name, data in events if name == "response.function_call_arguments.done")
+    assert fragments == done["arguments"] and done["name"] == call.name
+    assert json.loads(done["arguments"]) == json.loads(call.arguments)
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    follow_up = openai_client.responses.create(
+        model=MODEL, max_output_tokens=16, temperature=0, tools=body["tools"],
+        input=[{"role": "user", "content": ASK_WEATHER[0]["content"]},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert follow_up.usage.input_tokens > r.usage.input_tokens and follow_up.usage.output_tokens > 0

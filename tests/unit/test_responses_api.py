@@ -43,8 +43,11 @@ def test_text_format_is_the_chats_response_format(text, expected):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function"}]}, "tools.1.name"),
+    ({"tools": {"type": "function", "name": "f"}}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
@@ -61,7 +64,9 @@ def test_text_format_is_the_chats_response_format(text, expected):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input.0.arguments"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
     ({"input": [{"role": []}]}, "input.0.role"),
     ({"input": [{"role": "user"}]}, "input.0.content"),
@@ -98,6 +103,9 @@ def test_chat_errors_are_named_in_the_responses_fields():
     e = in_responses_terms(ApiError(400, "response_format.json_schema.schema: bad",
                                     param="response_format.json_schema.schema"), body)
     assert (e.param, e.message) == ("text.format.schema", "text.format.schema: bad")
+    e = in_responses_terms(ApiError(400, "a function's parameters must be a JSON schema object",
+                                    param="tools.0.function.parameters"), body)
+    assert e.param == "tools.0.parameters"
     e = in_responses_terms(ApiError(503, "no worker", type="service_unavailable", retry_after_s=2), body)
     assert (e.status, e.param, e.type, e.retry_after_s) == (503, None, "service_unavailable", 2)
     assert in_responses_terms(ApiError(400, "the request body must be a JSON object"), ["x"]).status == 400
@@ -150,3 +158,44 @@ def test_a_previous_responses_output_items_can_be_sent_back_as_input():
                                               {"role": "user", "content": "Bye"}]})
     assert chat["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
                                 {"role": "user", "content": "Bye"}]
+
+
+def test_function_tools_and_calls_become_the_chats_tools_and_tool_messages():
+    tool = {"type": "function", "name": "get_weather", "description": "d", "parameters": {"type": "object"},
+            "strict": True}
+    chat = chat_body({"model": "m", "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+                      "parallel_tool_calls": False, "input": [
+                          {"role": "user", "content": "Weather in Paris and Rome?"},
+                          {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+                          {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{\"city\": \"Rome\"}"},
+                          {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                          {"type": "function_call_output", "call_id": "c2", "output": "rain"}]})
+    assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                                               "parameters": {"type": "object"}, "strict": True}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["parallel_tool_calls"] is False
+    assert chat["messages"][1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [  # two parallel calls: one message
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "rain"}]
+    parse_request(chat, ChatCompletionRequest)
+    for choice in ("auto", "none", "required"):
+        assert chat_body({"model": "m", "input": "x", "tools": [tool], "tool_choice": choice})["tool_choice"] == choice
+    assert "tool_choice" not in chat_body({"model": "m", "input": "x", "tool_choice": "auto"})  # no tools
+
+
+def test_a_chats_tool_calls_are_function_call_items_after_its_message():
+    shaper = ResponseShaper({"model": "m", "input": "x"}, "m", 0)
+    chat = chat_completion(None, "tool_calls")
+    chat["choices"][0]["message"]["tool_calls"] = [
+        {"id": "chatcmpl-tool-abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    body = response_body(shaper, chat)
+    assert body["status"] == "completed"
+    assert body["output"] == [{"type": "function_call", "id": "fc_abc", "call_id": "chatcmpl-tool-abc",
+                               "name": "f", "arguments": "{}", "status": "completed"}]
+    chat["choices"][0]["message"]["content"] = "Let me look."
+    assert [item["type"] for item in response_body(shaper, chat)["output"]] == ["message", "function_call"]
+    from openai.types.responses import Response
+    assert Response.model_validate(response_body(shaper, chat)).output[1].name == "f"
