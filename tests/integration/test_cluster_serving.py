@@ -297,19 +297,7 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_worker(cluster, ope
     count goes back to 0. Tried on a request that can still be running (2,000 tokens, ignore_eos:
     the tiny model makes ~1,000 tokens a second, so a wait for the count alone could not fail);
     one that ended before the server saw the client leave is tried again."""
-    for attempt in range(3):
-        before = ends_by_reason(cluster)
-        stream = openai_client.completions.create(model=MODEL, prompt="go on forever", max_tokens=2000,
-                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
-        next(iter(stream))
-        stream.close()
-        ended = ends_after(cluster, before, 1)
-        if ended == {"abort": 1}:
-            break
-        assert ended == {"length": 1}, ended
-        print(f"attempt {attempt}: the stream ended before the server saw its client leave")
-    else:
-        raise AssertionError("no stream left by its client was counted as an abort in 3 tries")
+    assert_leaving_is_an_abort(cluster, lambda: leave_a_completion(openai_client, "go on forever"))
     deadline = time.monotonic() + 15
     while sum(worker_gauge(cluster, "kvmesh_running_requests").values()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -492,6 +480,29 @@ def ends_after(cluster, before: dict[str, float], n: int, timeout_s: float = 60)
         time.sleep(0.2)
 
 
+def leave_a_completion(openai_client, prompt: str) -> None:
+    """Open a stream of 2,000 tokens (ignore_eos), read its first chunk and close it."""
+    stream = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=2000, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+
+
+def assert_leaving_is_an_abort(cluster, leave) -> None:
+    """`leave()` opens a stream, reads until it generates and closes it: its end is counted as an
+    abort. Tried on a request that can still be running; one that ended (by length or stop) before
+    the server saw its client leave (a loaded machine) is tried again, 3 times in all."""
+    for attempt in range(3):
+        before = ends_by_reason(cluster)
+        leave()
+        ended = ends_after(cluster, before, 1)
+        if ended == {"abort": 1}:
+            return
+        assert ended in ({"length": 1}, {"stop": 1}), ended
+        print(f"attempt {attempt}: the stream ended before the server saw its client leave")
+    raise AssertionError("no stream left by its client was counted as an abort in 3 tries")
+
+
 def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_client):
     """A client that leaves mid-stream and a gRPC Abort are each counted as an abort. Each is tried
     on a request that can still be running (2,000 tokens, ignore_eos); one that ended before the
@@ -502,17 +513,7 @@ def test_metrics_under_vllm_names_count_requests_and_aborts(cluster, openai_clie
                                      extra_body={"ignore_eos": True})
     abort = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
     aborts = settled_count(cluster, abort)
-    for attempt in range(3):
-        before = ends_by_reason(cluster)
-        stream = openai_client.completions.create(model=MODEL, prompt="leave early", max_tokens=2000,
-                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
-        next(iter(stream))
-        stream.close()
-        if ends_after(cluster, before, 1) == {"abort": 1}:
-            break
-        print(f"attempt {attempt}: the stream ended before the server saw its client leave")
-    else:
-        raise AssertionError("no stream left by its client was counted as an abort in 3 tries")
+    assert_leaving_is_an_abort(cluster, lambda: leave_a_completion(openai_client, "leave early"))
     for attempt in range(3):
         request_id = f"metrics-abort-{attempt}"
         grpc_stream_ = grpc_stream(cluster.grpc_target, prompt="abort me", max_tokens=2000,
@@ -862,25 +863,19 @@ def test_a_response_in_a_json_schema_format_is_that_json(openai_client):
 
 
 def test_a_client_that_leaves_a_streamed_response_aborts_its_request_on_the_worker(cluster, openai_client):
-    """Counted as an abort (vllm:request_success_total), not an end by length. Tried on a request
-    that can still be running (2,000 tokens); one that ended before the server saw the client
-    leave (a loaded machine: the tiny model makes ~1,000 tokens a second) is tried again."""
+    """Counted as an abort (vllm:request_success_total), not an end by length (2,000 tokens: the
+    tiny model makes ~1,000 a second)."""
     settled_count(cluster, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
-    for attempt in range(3):
-        before = ends_by_reason(cluster)
+
+    def leave():
         stream = openai_client.responses.create(model=MODEL, input="go on forever", max_output_tokens=2000,
                                                 temperature=0, stream=True)
         events = iter(stream)
         while next(events).type != "response.output_text.delta":  # generating
             pass
         stream.close()
-        ended = ends_after(cluster, before, 1)
-        if ended == {"abort": 1}:
-            break
-        assert ended in ({"length": 1}, {"stop": 1}), ended
-        print(f"attempt {attempt}: the response ended before the server saw its client leave")
-    else:
-        raise AssertionError("no response left by its client was counted as an abort in 3 tries")
+
+    assert_leaving_is_an_abort(cluster, leave)
 
 
 @pytest.mark.parametrize("extra,param", [
