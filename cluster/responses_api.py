@@ -75,14 +75,12 @@ def chat_body(body: Any) -> dict:
     if "model" not in body:
         raise _bad("model", "required")
     chat: dict = {"model": body["model"], "messages": _messages(body)}
-    if body.get("tools"):
-        chat["tools"] = _tools(body["tools"])
+    if tools := (_tools(body["tools"]) if body.get("tools") is not None else []):
+        chat["tools"] = tools
         if (choice := body.get("tool_choice")) is not None:
             chat["tool_choice"] = _tool_choice(choice)
         if body.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    elif body.get("tools") is not None and not isinstance(body["tools"], list):
-        raise _bad("tools", "a list of function tools")
     elif body.get("tool_choice") not in (None, "auto", "none"):
         raise _bad("tool_choice", "needs tools")
     if (limit := body.get("max_output_tokens")) is not None:
@@ -323,12 +321,14 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None):
                                  logprobs=[]))
             for part in piece.get("tool_calls") or []:
                 fn = part.get("function") or {}
-                if part["index"] not in calls:  # its first delta: id and name
-                    call = function_call(part["id"], fn["name"], "", "in_progress")
-                    calls[part["index"]] = {"call": call, "_text": [], "index": len(items)}
-                    items.append(calls[part["index"]])
-                    out.append(event("response.output_item.added", output_index=len(items) - 1, item=call))
-                entry = calls[part["index"]]
+                entry = calls.get(part["index"])
+                if entry is None:  # its first delta: id and name
+                    entry = {"call": function_call(part["id"], fn["name"], "", "in_progress"), "_text": [],
+                             "index": len(items)}
+                    calls[part["index"]] = entry
+                    items.append(entry)
+                    out.append(event("response.output_item.added", output_index=entry["index"],
+                                     item=entry["call"]))
                 if fn.get("arguments"):
                     entry["_text"].append(fn["arguments"])
                     out.append(event("response.function_call_arguments.delta", item_id=entry["call"]["id"],
