@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from kvmesh.cluster import process_metrics
-from kvmesh.cluster.auth import ApiKeys
+from kvmesh.cluster.auth import ApiKeys, bearer_token
 from kvmesh.cluster.event_hub import get_or_create_hub, hub_name
 from kvmesh.cluster.frontend import Frontend
 from kvmesh.cluster.grpc_health import HealthService
@@ -41,6 +41,7 @@ from kvmesh.cluster.openai_request import max_tokens_param, prompts_of, sampling
 from kvmesh.cluster.openai_responses import Shaper
 from kvmesh.cluster.openai_sse import SseResponse, sse_body, sse_tool_body
 from kvmesh.cluster import responses_api
+from kvmesh.cluster.response_store import get_or_create_store, owner_of
 from kvmesh.cluster import tokenize_api
 from kvmesh.serve_config import parse_config
 
@@ -57,6 +58,12 @@ def _error_response(e: ApiError) -> JSONResponse:
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
+
+
+def _not_stored(response_id: str, param: str) -> ApiError:
+    return ApiError(404, f"{param}: no stored response {response_id!r} (stored responses are kept in memory, "
+                    "the oldest dropped beyond server.responses_store, and only for the API key that stored them)",
+                    param=param, code="response_not_found")
 
 
 def _combined(bodies: list[dict]) -> dict:
@@ -86,6 +93,9 @@ class Ingress(GrpcService, HealthService):
         self.api_keys = ApiKeys.from_server_config(self.config.server)
         self.limits = RequestLimits(self.config.limits)
         self.pipeline = RequestPipeline(self.frontend, self.limits, self.api_keys)
+        # /v1/responses' store (server.responses_store; None: off), one actor for every replica
+        self.stored_responses = (get_or_create_store(self.config.app_name)
+                                 if self.config.server.responses_store else None)
         self.created = int(time.time())  # the model cards' `created`: when this replica started
         process_metrics.register(self.frontend.metrics.registry)
         self._metrics_publisher = asyncio.get_running_loop().create_task(publish_forever(
@@ -239,15 +249,78 @@ class Ingress(GrpcService, HealthService):
         (cluster/responses_api.py)."""
         return await self._complete(request, "responses")
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(self, response_id: str, request: Request):
+        """A response stored by the same API key (server.responses_store), else 404."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            self._no_query(request)
+            found = await self._stored(response_id, self._owner(request), "response_id")
+            return found[0]
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request):
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            self._no_query(request)
+            self._store_on("response_id")
+            if not await self.stored_responses.delete.remote(response_id, self._owner(request)):
+                raise _not_stored(response_id, "response_id")
+            return {"id": response_id, "object": "response", "deleted": True}
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
+    def _owner(self, request: Request) -> str:
+        """Whose stored responses a request reaches: its API key's (everyone's without keys)."""
+        if not self.api_keys.enabled:
+            return ""
+        return owner_of(bearer_token(request.headers.get("authorization")))
+
+    def _store_on(self, param: str) -> None:
+        if self.stored_responses is None:
+            raise ApiError(404, f"{param}: responses are not stored on this server "
+                           "(server.responses_store is 0)", param=param)
+
+    @staticmethod
+    def _no_query(request: Request) -> None:
+        for name in request.query_params:
+            raise ApiError(400, f"{name}: not a query parameter here", param=name)
+
+    async def _stored(self, response_id: str, owner: str, param: str) -> tuple[dict, list]:
+        """(response, conversation) of a stored response of `owner`; 404 naming `param` if none."""
+        self._store_on(param)
+        found = await self.stored_responses.get.remote(response_id, owner)
+        if found is None:
+            raise _not_stored(response_id, param)
+        return found
+
+    async def _keep(self, shaper, raw: dict, owner: str, response: dict) -> None:
+        """Store a finished response with its conversation (the one before it, its input, its output)."""
+        await self.stored_responses.put.remote(
+            response, responses_api.conversation(shaper.earlier, raw, response["output"]), owner,
+            self.config.server.responses_store)
+
     async def _complete(self, request: Request, kind: str):
         arrival = time.time()
         responses = None  # a Responses request: its shaper, and errors named in its fields
+        keep = None  # a Responses request to store: awaited with its finished response
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             if kind == "responses":
                 raw = await self._json(request)
-                responses = responses_api.ResponseShaper(raw, self.frontend.model_name, now())
-                req, kind = parse_request(responses_api.chat_body(raw), ChatCompletionRequest), "chat"
+                earlier, owner = None, self._owner(request)
+                previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
+                if previous is not None and self.stored_responses is not None:
+                    if not isinstance(previous, str):
+                        raise ApiError(400, "previous_response_id: a string", param="previous_response_id")
+                    earlier = (await self._stored(previous, owner, "previous_response_id"))[1]
+                responses = responses_api.ResponseShaper(raw, self.frontend.model_name, now(), earlier)
+                req, kind = parse_request(responses_api.chat_body(raw, earlier, self.stored_responses is not None),
+                                          ChatCompletionRequest), "chat"
+                if responses.stored:
+                    keep = functools.partial(self._keep, responses, raw, owner)
             else:
                 req = await self._parse(request, kind)
             structured = parse_structured(req)
@@ -282,7 +355,7 @@ class Ingress(GrpcService, HealthService):
                 else:  # started at once, as vLLM runs them
                     streams = await self.pipeline.streams_of_several(admitted)
                 if responses is not None:  # one prompt, one choice
-                    body = responses_api.sse_events(streams[0], responses, tools)
+                    body = responses_api.sse_events(streams[0], responses, tools, shaper.logprob_entries, keep)
                 elif tools is not None:  # chat: one prompt
                     body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n)
                 else:
@@ -312,11 +385,19 @@ class Ingress(GrpcService, HealthService):
                         sequence.last.finish_reason if sequence.last is not None else None,
                         tools, calls)
             if responses is not None:
-                return responses_api.response_body(responses, body)
+                answer = responses_api.response_body(responses, body)
+                if keep is not None:
+                    try:
+                        await keep(answer)
+                    except Exception as e:
+                        raise ApiError(503, f"the response store did not answer, so the response was not "
+                                       f"stored: {e!r}", type="server_error",
+                                       code="response_store_unavailable", retry_after_s=1) from None
+                return answer
             return body
         except ApiError as e:
             if responses is not None:
-                e = responses_api.in_responses_terms(e, responses.body)
+                e = responses_api.in_responses_terms(e, responses.body, responses.earlier)
             return _error_response(self.pipeline.refused(e))
 
     async def _parse(self, request: Request, kind: str):

@@ -335,6 +335,7 @@ def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
     from ray.serve.exceptions import RayServeException
 
     from kvmesh.cluster.event_hub import kill_hub
+    from kvmesh.cluster.response_store import kill_store
 
     try:
         try:
@@ -343,6 +344,7 @@ def shutdown(cfg: ServeConfig, own_ray: bool) -> None:
             if "no Serve instance running" not in str(e):  # serve.start): nothing to delete, and
                 raise  # the failure that got here is the one to report
         kill_hub(cfg.app_name)
+        kill_store(cfg.app_name)
     finally:
         if own_ray:  # the app's replicas have drained: stopping Ray ends Serve's controller and
             ray.shutdown()  # proxies (serve.shutdown() only added Ray's "graceful_shutdown failed")

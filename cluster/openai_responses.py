@@ -32,7 +32,7 @@ class Shaper:
 
     # ---- logprobs ----------------------------------------------------------------------------
 
-    def _chat_logprobs(self, token_ids, logprobs, tops) -> dict | None:
+    def chat_logprobs(self, token_ids, logprobs, tops) -> dict | None:
         if self.top_logprobs is None or not logprobs:
             return None
         content = []
@@ -45,6 +45,10 @@ class Shaper:
                                   "bytes": list(self.decode(t).encode())}
                                  for t, v in list(top.items())[: self.top_logprobs]]})
         return {"content": content}
+
+    def logprob_entries(self, delta) -> list[dict]:
+        """The chat's logprob entries of a delta's tokens ([] when none were asked for)."""
+        return (self.chat_logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs) or {}).get("content", [])
 
     def _completion_logprobs(self, token_ids, logprobs, tops, offset: int) -> dict | None:
         if self.top_logprobs is None or not logprobs:
@@ -68,7 +72,7 @@ class Shaper:
         """stop_reason (vLLM's): the stop string or stop token id that ended it, else None."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._chat_logprobs(token_ids, logprobs, tops),
+                      "logprobs": self.chat_logprobs(token_ids, logprobs, tops),
                       "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
         else:
             choice = {"index": 0, "text": text,
@@ -100,7 +104,7 @@ class Shaper:
         if self.kind == "chat":
             delta = {"content": text} if text or reason is None else {}
             choice = {"index": 0, "delta": delta,
-                      "logprobs": self._chat_logprobs(token_ids, logprobs, tops),
+                      "logprobs": self.chat_logprobs(token_ids, logprobs, tops),
                       "finish_reason": finish_reason(reason)}
         else:
             choice = {"index": 0, "text": text,

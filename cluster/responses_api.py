@@ -3,14 +3,16 @@
 A request is checked and turned into the chat completion it asks for (`chat_body`): `input` (a
 string, or a list of messages whose content is a string or input_text / output_text parts) after
 `instructions` as a system message, `max_output_tokens`, `temperature`, `top_p`, `text.format`
-(text, json_object, json_schema: the chat's response_format), `user`, `stream`, and vLLM's sampling
-fields (seed, stop, top_k, min_p, penalties). Function `tools`, `tool_choice` and
+(text, json_object, json_schema: the chat's response_format), `user`, `stream`, the token logprobs
+of `include: ["message.output_text.logprobs"]` with `top_logprobs` alternatives, and vLLM's
+sampling fields (seed, stop, top_k, min_p, penalties). Function `tools`, `tool_choice` and
 `parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
 `function_call` / `function_call_output` input items are an assistant's tool calls and their tool
-messages. What it cannot honour is refused with a 400 naming the field: other tool types, stored
-responses (`store: true`, `previous_response_id`), `reasoning`, `include`, `truncation: "auto"`,
-image / file / audio parts, other input items, and any unknown field. Nothing is stored: every
-response says `store: false`.
+messages. With the server's store on (`server.responses_store`, cluster/response_store.py),
+`store: true` keeps the response and `previous_response_id` runs the request after a stored
+response's conversation. What it cannot honour is refused with a 400 naming the field: other tool
+types, `store: true` and `previous_response_id` with the store off, `reasoning`, other `include`s,
+`truncation: "auto"`, image / file / audio parts, other input items, and any unknown field.
 
 Its answer is a `response` object (`response_body`) whose output is the assistant's message and
 then one `function_call` item per tool call, or, streamed, OpenAI's typed server-sent events
@@ -24,6 +26,7 @@ max_output_tokens (or the context) ended it, or response.failed when the worker 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from typing import Any
@@ -31,39 +34,45 @@ from typing import Any
 from kvmesh.cluster import tool_parser
 from kvmesh.cluster.openai_protocol import ApiError
 
+logger = logging.getLogger("kvmesh.cluster")
+
 # Sampling fields of the chat API (vLLM's extensions included) passed through under their own names.
 SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "store", "metadata", "user", "text", "tools", "tool_choice",
                     "parallel_tool_calls", "truncation", "previous_response_id", "reasoning", "include",
-                    *SAMPLING_EXTRAS})
+                    "top_logprobs", *SAMPLING_EXTRAS})
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text"}
 MAX_METADATA_KEYS = 16  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+LOGPROBS = "message.output_text.logprobs"  # the one `include` there is to give
 
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
-def chat_body(body: Any) -> dict:
+def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> dict:
     """The chat completion request a Responses request asks for; ApiError(400) naming the field
-    of what it cannot honour."""
+    of what it cannot honour. `earlier`: the conversation of its previous_response_id (run before
+    its input), already looked up; `store`: whether the server keeps responses."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in body:
         if name not in FIELDS:
             raise _bad(name, f"not a field of /v1/responses here (known: {', '.join(sorted(FIELDS))})")
-    if body.get("store"):
-        raise _bad("store", "responses are not stored; send store: false or leave it out")
-    if body.get("previous_response_id") is not None:
-        raise _bad("previous_response_id", "responses are not stored, so none can be continued; "
-                   "send the conversation in input")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise _bad("store", "a boolean")
+    if body.get("store") and not store:
+        raise _bad("store", "responses are not stored on this server (server.responses_store is 0); "
+                   "send store: false or leave it out")
+    if body.get("previous_response_id") is not None and earlier is None:
+        raise _bad("previous_response_id", "responses are not stored on this server "
+                   "(server.responses_store is 0), so none can be continued; send the conversation in input")
     if body.get("reasoning") is not None:
         raise _bad("reasoning", "the served model has no reasoning settings")
-    if body.get("include"):
-        raise _bad("include", "no extra output can be included")
     if body.get("truncation") not in (None, "disabled"):
         raise _bad("truncation", "only \"disabled\": an input longer than the context is refused")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
@@ -74,7 +83,7 @@ def chat_body(body: Any) -> dict:
         raise _bad("metadata", f"an object of at most {MAX_METADATA_KEYS} string values")
     if "model" not in body:
         raise _bad("model", "required")
-    chat: dict = {"model": body["model"], "messages": _messages(body)}
+    chat: dict = {"model": body["model"], "messages": _messages(body, earlier or [])[0]}
     if tools := (_tools(body["tools"]) if body.get("tools") is not None else []):
         chat["tools"] = tools
         if (choice := body.get("tool_choice")) is not None:
@@ -83,6 +92,8 @@ def chat_body(body: Any) -> dict:
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     elif body.get("tool_choice") not in (None, "auto", "none"):
         raise _bad("tool_choice", "needs tools")
+    if (top := _logprobs(body, calls_possible=bool(tools) and body.get("tool_choice") != "none")) is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, top
     if (limit := body.get("max_output_tokens")) is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise _bad("max_output_tokens", "an integer of at least 1")
@@ -99,21 +110,64 @@ def chat_body(body: Any) -> dict:
     return chat
 
 
-def _messages(body: dict) -> list[dict]:
+def _logprobs(body: dict, calls_possible: bool) -> int | None:
+    """How many alternatives each output token's logprob comes with (None: no logprobs): `include`
+    names message.output_text.logprobs, `top_logprobs` the alternatives."""
+    include = body.get("include")
+    if include is not None and not isinstance(include, list):
+        raise _bad("include", f"a list (of {LOGPROBS!r})")
+    for i, name in enumerate(include or []):
+        if name != LOGPROBS:
+            raise _bad(f"include.{i}", f"only {LOGPROBS!r} can be included; got {name!r}")
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                            or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _bad("top_logprobs", f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if not include:
+        if top:
+            raise _bad("top_logprobs", f"logprobs come with include: [{LOGPROBS!r}]")
+        return None
+    if calls_possible:  # a call's text is not the message's: the logprobs would not line up
+        raise _bad("include", "logprobs cannot be given with tools the model may call "
+                   "(tool_choice none allows them)")
+    return top or 0
+
+
+def input_items(body: dict) -> list:
+    """The request's input as items (a string is one user message), as its conversation keeps them."""
+    items = body.get("input")
+    return [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else list(items)
+
+
+def conversation(earlier: list, body: dict, output: list[dict]) -> list:
+    """What a response is stored with: the conversation it continued, its input, its output."""
+    return [*earlier, *input_items(body), *output]
+
+
+def _messages(body: dict, earlier: list) -> tuple[list[dict], int]:
+    """The chat messages of `instructions`, the earlier conversation and the input, and how many
+    come before the input's (input.N is messages.N + that)."""
     messages = []
     if (instructions := body.get("instructions")) is not None:
         if not isinstance(instructions, str):
             raise _bad("instructions", "a string")
         messages.append({"role": "system", "content": instructions})
+    _add_items(messages, earlier, "previous_response_id")
+    before = len(messages)
     items = body.get("input")
     if isinstance(items, str):
         if not items:
             raise _bad("input", "an empty string")
-        return messages + [{"role": "user", "content": items}]
+        return messages + [{"role": "user", "content": items}], before
     if not isinstance(items, list) or not items:
         raise _bad("input", "a string or a non-empty list of messages")
+    _add_items(messages, items, "input")
+    return messages, before
+
+
+def _add_items(messages: list[dict], items: list, name: str) -> None:
     for i, item in enumerate(items):
-        where = f"input.{i}"
+        where = f"{name}.{i}"
         if not isinstance(item, dict):
             raise _bad(where, "a message object")
         kind = item.get("type", "message")
@@ -137,7 +191,6 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"{where}.role", f"one of {', '.join(ROLES)}")
         messages.append({"role": ROLES[role], "content": _content(item.get("content"), where)})
-    return messages
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -211,12 +264,14 @@ def _response_format(text: Any) -> dict | None:
 class ResponseShaper:
     """The response object of one request, in progress or done, for its body and its events."""
 
-    def __init__(self, body: dict, model: str, created_at: int):
+    def __init__(self, body: dict, model: str, created_at: int, earlier: list | None = None):
         self.id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of these ids: an underscore
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.body = body
         self.model = model
         self.created_at = created_at
+        self.earlier = earlier or []  # the conversation of its previous_response_id
+        self.stored = isinstance(body, dict) and body.get("store") is True
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:
@@ -226,20 +281,24 @@ class ResponseShaper:
                 "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "model": self.model, "output": output,
-                "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
-                "reasoning": None, "store": False, "temperature": body.get("temperature", 1.0),
+                "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+                "store": self.stored, "temperature": body.get("temperature", 1.0),
+                "top_logprobs": body.get("top_logprobs", 0),
                 "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                 "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
                 "user": body.get("user"), "metadata": body.get("metadata") or {}}
 
-    def message(self, text: str | None, status: str) -> dict:
-        content = [] if text is None else [self.part(text)]
+    def message(self, text: str | None, status: str, logprobs: list | None = None) -> dict:
+        content = [] if text is None else [self.part(text, logprobs)]
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
                 "content": content}
 
     @staticmethod
-    def part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list | None = None) -> dict:
+        """An output_text part; `logprobs`: the chat's entries of its tokens (token, logprob, bytes,
+        top_logprobs), which are the Responses API's too."""
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
@@ -269,7 +328,9 @@ def response_body(shaper: ResponseShaper, chat: dict) -> dict:
     status, incomplete = _ending(choice.get("finish_reason"))
     message = choice["message"]
     calls = message.get("tool_calls") or []
-    output = [shaper.message(message.get("content") or "", status)] if message.get("content") or not calls else []
+    logprobs = (choice.get("logprobs") or {}).get("content")
+    output = ([shaper.message(message.get("content") or "", status, logprobs)]
+              if message.get("content") or not calls else [])
     output += [function_call(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                for c in calls]
     u = chat["usage"]
@@ -282,11 +343,13 @@ def _event(kind: str, sequence: int, **data) -> bytes:
     return f"event: {kind}\ndata: {payload}\n\n".encode()
 
 
-async def sse_events(stream, shaper: ResponseShaper, tools=None):
+async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=None, keep=None):
     """The typed events of a streamed response over an admitted request's DeltaStream; with
     `tools` (a ToolRequest) the text is read into content and tool calls as the chat's stream reads
-    it (tool_parser.ToolStream). Closing it closes the stream (SseResponse does so however the
-    response ends)."""
+    it (tool_parser.ToolStream). `logprobs_of(delta)`: the logprob entries of a delta's tokens
+    (None: none asked for). `keep(response)`: awaited with the finished response before its last
+    event (the store); if it raises, the last event is response.failed. Closing it closes the
+    stream (SseResponse does so however the response ends)."""
     sequence = 0
     items: list[dict] = []  # the output items in order; the message is created at its first text
     message: dict | None = None
@@ -302,23 +365,24 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None):
 
     def open_message() -> list[bytes]:
         nonlocal message
-        message = {"_text": [], "index": len(items)}
+        message = {"_text": [], "_logprobs": [], "index": len(items)}
         items.append(message)
         return [event("response.output_item.added", output_index=message["index"],
                       item=shaper.message(None, "in_progress")),
                 event("response.content_part.added", item_id=shaper.message_id, output_index=message["index"],
                       content_index=0, part=shaper.part(""))]
 
-    def pieces_events(pieces: list[dict]) -> list[bytes]:
+    def pieces_events(pieces: list[dict], logprobs: list) -> list[bytes]:
         out = []
         for piece in pieces:
             if piece.get("content"):
                 if message is None:
                     out += open_message()
                 message["_text"].append(piece["content"])
+                message["_logprobs"] += logprobs  # without tools: one piece, the delta's text
                 out.append(event("response.output_text.delta", item_id=shaper.message_id,
                                  output_index=message["index"], content_index=0, delta=piece["content"],
-                                 logprobs=[]))
+                                 logprobs=logprobs))
             for part in piece.get("tool_calls") or []:
                 fn = part.get("function") or {}
                 entry = calls.get(part["index"])
@@ -348,13 +412,20 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None):
             pieces = parser.feed(delta.text) if parser is not None else [{"content": delta.text}]
             if parser is not None and delta.finish_reason is not None:
                 pieces += parser.finish()
-            for chunk in pieces_events(pieces):
+            logprobs = logprobs_of(delta) if logprobs_of is not None else []
+            for chunk in pieces_events(pieces, logprobs):
                 yield chunk
         if last is None or last.finish_reason in ("error", "abort"):
             error = (last.error if last is not None else None) or "the worker ended the request"
-            done = [shaper.message(text_of(message), "incomplete")] if message is not None else []
-            yield event("response.failed", response=shaper.response(
-                "failed", done, error={"code": "server_error", "message": error}))
+            done = ([shaper.message(text_of(message), "incomplete", message["_logprobs"])]
+                    if message is not None else [])
+            failed = shaper.response("failed", done, error={"code": "server_error", "message": error})
+            if keep is not None:
+                try:
+                    await keep(failed)
+                except Exception:  # the failure is what the client hears of
+                    logger.warning("kvmesh: could not store failed response %s", shaper.id, exc_info=True)
+            yield event("response.failed", response=failed)
             return
         if message is None and not calls:  # no text and no call: an empty message
             for chunk in open_message():
@@ -365,9 +436,10 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None):
             if item is message:
                 text = text_of(message)
                 where = {"item_id": shaper.message_id, "output_index": message["index"], "content_index": 0}
-                yield event("response.output_text.done", **where, text=text, logprobs=[])
-                yield event("response.content_part.done", **where, part=shaper.part(text))
-                output.append(shaper.message(text, status))
+                logprobs = message["_logprobs"]
+                yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
+                yield event("response.content_part.done", **where, part=shaper.part(text, logprobs))
+                output.append(shaper.message(text, status, logprobs))
             else:
                 call = dict(item["call"], arguments=text_of(item), status="completed")
                 yield event("response.function_call_arguments.done", item_id=call["id"],
@@ -376,16 +448,30 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None):
             yield event("response.output_item.done", output_index=item["index"], item=output[-1])
         done = usage(last.num_prompt_tokens or stream.routed.num_prompt_tokens, stream.num_tokens,
                      last.num_cached_tokens)
+        final = shaper.response(status, output, done, incomplete)
+        if keep is not None:
+            try:
+                await keep(final)
+            except Exception as e:
+                logger.warning("kvmesh: could not store response %s", shaper.id, exc_info=True)
+                yield event("response.failed", response=shaper.response(
+                    "failed", output, done, error={"code": "server_error",
+                                                   "message": f"the response could not be stored: {e!r}"}))
+                return
         yield event("response.completed" if status == "completed" else "response.incomplete",
-                    response=shaper.response(status, output, done, incomplete))
+                    response=final)
 
 
-def in_responses_terms(error: ApiError, body: dict) -> ApiError:
+def in_responses_terms(error: ApiError, body: dict, earlier: list | None = None) -> ApiError:
     """An error the chat path raised, naming the Responses request's fields instead of the chat's:
     max_completion_tokens is max_output_tokens, response_format (and its json_schema) is text.format,
-    messages.N is input.N (one less with instructions first), the prompt is the input, and a tool's
-    tools.N.function.x is tools.N.x."""
-    shift = 1 if isinstance(body, dict) and body.get("instructions") is not None else 0
+    messages.N is input.N (less the messages of instructions and of the `earlier` conversation
+    before it), the prompt is the input, and a tool's tools.N.function.x is tools.N.x."""
+    shift = 0
+    if isinstance(body, dict):
+        before: list[dict] = []
+        _add_items(before, earlier or [], "previous_response_id")  # stored: valid
+        shift = len(before) + (body.get("instructions") is not None)
 
     def rename(text: str | None) -> str | None:
         if text is None:

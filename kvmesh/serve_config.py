@@ -147,6 +147,7 @@ class ServerSection(_Strict):
     keep_alive_timeout_s: int = Field(90, ge=1, le=3600, description="Seconds an idle kept-alive HTTP connection stays open between requests (Serve's proxy and the direct port); keep it above a load balancer's idle timeout.")
     grpc_max_message_bytes: int = Field(4_194_304, ge=1024, le=2_147_483_647, description="Largest gRPC request message in bytes on Serve's gRPC proxy; beyond it the call fails with RESOURCE_EXHAUSTED before it reaches the ingress.")
     grpc_reflection: bool = Field(False, description="Serve gRPC server reflection on the gRPC proxy (it answers without an API key).")
+    responses_store: int = Field(0, ge=0, le=1_000_000, description="Keep up to this many /v1/responses responses asked for with store: true, in memory in one Ray actor shared by the ingress replicas, for GET and DELETE /v1/responses/{id} and previous_response_id (the least recently stored or read dropped first; each visible only to the API key that stored it); 0 = off: store: true and previous_response_id are refused.")
 
     @field_validator("api_keys")
     @classmethod

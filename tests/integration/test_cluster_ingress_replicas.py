@@ -1,7 +1,8 @@
 """Two ingress replicas (two router copies) in front of two CPU workers with small request limits:
 every copy routes a shared prefix to the worker holding it, and an overload is answered with 429
 and Retry-After instead of waiting without bound. The workers stream 4 tokens per chunk. Both
-ingress replicas also serve the API on one shared port of their own (server.direct_http_port)."""
+ingress replicas also serve the API on one shared port of their own (server.direct_http_port), and
+share one store of /v1/responses responses (server.responses_store)."""
 
 import concurrent.futures as cf
 import json
@@ -22,7 +23,8 @@ def cluster(tmp_path_factory):
     direct_port = free_port()
     config = cpu_config(2, replicas={"max_ongoing_requests": 2, "max_queued_requests": 1},
                         routing={"policy": "kv_events", "ingress_replicas": 2},
-                        server={"stream_interval": 4, "direct_http_port": direct_port})
+                        server={"stream_interval": 4, "direct_http_port": direct_port,
+                                "responses_store": 100})
     with config_cluster(tmp_path_factory, config) as c:
         c.direct_url = f"http://127.0.0.1:{direct_port}"
         yield c
@@ -291,3 +293,81 @@ def test_the_same_grpc_label_at_once_gets_its_own_tokens_or_already_exists(clust
         if len(ok) == 2:
             break  # both ran at once, each with its own tokens
     print(f"same label at once: {len(ok)} of 2 ran in the last of {attempt + 1} attempts")
+
+
+# ---- stored responses (server.responses_store), shared by the ingress replicas ---------------------
+
+def clients(cluster):
+    """The official client through Serve's proxy and through the direct port (either replica)."""
+    import openai
+
+    return [openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            for base in (cluster.http_url, cluster.direct_url)]
+
+
+def test_a_stored_response_is_found_through_every_ingress_replica_until_deleted(cluster):
+    import openai
+
+    proxy, direct = clients(cluster)
+    r = proxy.responses.create(model=MODEL, input="Keep this.", max_output_tokens=6, temperature=0, store=True)
+    assert r.store is True
+    # the direct port's connections land on either replica (SO_REUSEPORT): each finds it
+    for client in [proxy, direct] * 4:
+        assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    direct.responses.delete(r.id)
+    for client in (proxy, direct):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.responses.retrieve(r.id)
+        assert e.value.body["param"] == "response_id" and e.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        proxy.responses.delete(r.id)
+    # store left out is not stored
+    unstored = proxy.responses.create(model=MODEL, input="Forget this.", max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        direct.responses.retrieve(unstored.id)
+
+
+def test_previous_response_id_runs_the_turn_after_the_stored_conversation(cluster):
+    """Each turn is the chat of the whole conversation so far, as a client sending it all would
+    get it: the same greedy text and the same prompt tokens; the first turn's instructions are not
+    carried over."""
+    proxy, direct = clients(cluster)
+    sampling = {"max_output_tokens": 8, "temperature": 0}
+    first = proxy.responses.create(model=MODEL, input="Name a sea.", instructions="Be brief.", store=True,
+                                   **sampling)
+    second = direct.responses.create(model=MODEL, input="And another.", previous_response_id=first.id,
+                                     store=True, **sampling)
+    third = proxy.responses.create(model=MODEL, input=[{"role": "user", "content": "A third?"}],
+                                   previous_response_id=second.id, **sampling)
+    assert (second.previous_response_id, third.previous_response_id, third.store) == (first.id, second.id, False)
+    messages = [{"role": "user", "content": "Name a sea."}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And another."}]
+    for turn in (second, third):
+        chat = proxy.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        assert turn.output_text == chat.choices[0].message.content
+        assert turn.usage.input_tokens == chat.usage.prompt_tokens
+        messages += [{"role": "assistant", "content": turn.output_text}, {"role": "user", "content": "A third?"}]
+
+
+def test_a_streamed_stored_response_is_stored_as_its_last_event_gives_it(cluster):
+    proxy, direct = clients(cluster)
+    events = list(proxy.responses.create(model=MODEL, input="Stream and keep.", max_output_tokens=6,
+                                         temperature=0, store=True, stream=True))
+    final = events[-1].response  # completed, or incomplete at the 6 tokens
+    assert events[-1].type in ("response.completed", "response.incomplete") and final.store is True
+    assert direct.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_an_unknown_previous_response_id_is_a_404_naming_it_and_the_server_goes_on(cluster):
+    import openai
+
+    proxy, _ = clients(cluster)
+    with pytest.raises(openai.NotFoundError) as e:
+        proxy.responses.create(model=MODEL, input="x", previous_response_id="resp_nothing", max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        proxy.responses.create(model=MODEL, input="x", previous_response_id=7, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    status, body, _ = post(cluster, {"model": MODEL, "prompt": "still here", "max_tokens": 2})
+    assert status == 200

@@ -862,6 +862,26 @@ def test_a_response_in_a_json_schema_format_is_that_json(openai_client):
     assert json.loads(r.output_text)["answer"] in ("yes", "no")
 
 
+def test_included_logprobs_are_the_chats_whole_and_streamed(cluster, openai_client):
+    body = {"model": MODEL, "input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = openai_client.responses.create(**body)
+    chat = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+    got, want = r.output[0].content[0].logprobs, chat.choices[0].logprobs.content
+    assert len(got) == r.usage.output_tokens == len(want) and r.top_logprobs == 2
+    for mine, chats in zip(got, want):
+        assert mine.token == chats.token and mine.logprob == pytest.approx(chats.logprob, abs=1e-4)
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in chats.top_logprobs]
+        assert len(mine.top_logprobs) == 2
+    events = responses_events(cluster, body)
+    streamed = [lp for name, data in events if name == "response.output_text.delta" for lp in data["logprobs"]]
+    done = next(data for name, data in events if name == "response.output_text.done")
+    assert streamed == done["logprobs"] == events[-1][1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in streamed] == [lp.token for lp in got]
+    assert openai_client.responses.create(**{**body, "include": []} | {"top_logprobs": 0}).output[0].content[0].logprobs == []
+
+
 def test_a_client_that_leaves_a_streamed_response_aborts_its_request_on_the_worker(cluster, openai_client):
     """Counted as an abort (vllm:request_success_total), not an end by length (2,000 tokens: the
     tiny model makes ~1,000 a second)."""
@@ -879,7 +899,8 @@ def test_a_client_that_leaves_a_streamed_response_aborts_its_request_on_the_work
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),  # store off
+    ({"include": ["reasoning.encrypted_content"]}, "include.0"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.0.content.0.type"),

@@ -124,6 +124,42 @@ print(json.dumps({"alive": alive, "killed": event_hub.kill_hub(sys.argv[2])}), f
 ray.shutdown()
 """
 
+# Creates the app's response store with every CPU reserved, stores a response, exits (ending its job).
+STORE_CREATOR = """
+import json, sys
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from kvmesh.cluster import response_store
+ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
+every_cpu = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+ray.get(every_cpu.ready(), timeout=120)
+store = response_store.get_or_create_store(sys.argv[2])
+ray.get(store.put.remote({"id": "resp_a"}, ["turn"], "", 10), timeout=120)
+print(json.dumps({"created": store._actor_id.hex()}), flush=True)
+remove_placement_group(every_cpu)
+ray.shutdown()
+"""
+
+# After the creator's job ended: the store by name, still holding the response; then `kvmesh
+# serve`'s shutdown of the app (launcher.shutdown, on a Ray it joined) and a look for the store.
+STORE_AFTER = """
+import json, sys
+import ray
+from kvmesh.cluster import launcher, response_store
+from kvmesh.serve_config import parse_config
+ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
+store = ray.get_actor(response_store.store_name(sys.argv[2]), namespace="serve")
+kept = ray.get(store.get.remote("resp_a", ""), timeout=120)
+launcher.shutdown(parse_config({"app_name": sys.argv[2]}), own_ray=False)
+try:
+    ray.get_actor(response_store.store_name(sys.argv[2]), namespace="serve")
+    gone = False
+except ValueError:
+    gone = True
+print(json.dumps({"alive": store._actor_id.hex(), "kept": kept, "gone": gone}), flush=True)
+ray.shutdown()
+"""
+
 # launcher.wait_for_workers against the app's real hub: with no worker reported, and then with one
 # and two workers' loads published into it (what each worker replica does a second or so after Serve
 # calls it healthy).
@@ -308,6 +344,19 @@ def test_the_hub_is_a_detached_zero_cpu_actor_named_after_the_app_in_the_serve_n
     # the driver that created it has exited: a non-detached actor would have ended with its job
     after = _driver(HUB_AFTER, info["gcs"], "myapp")
     assert after == {"alive": created["created"], "killed": True}, (created, after)
+
+
+def test_the_response_store_outlives_its_creators_job_and_kvmesh_serves_shutdown_ends_it(local_ray):
+    """SERVING.md: the store of /v1/responses responses is one 0-CPU actor per app
+    (`kvmesh-responses-<app>`, namespace `serve`), detached as the hub is, and `kvmesh serve`'s
+    shutdown ends it."""
+    from kvmesh.cluster.response_store import store_name
+
+    _, info = local_ray
+    assert store_name("myapp") == "kvmesh-responses-myapp"
+    created = _driver(STORE_CREATOR, info["gcs"], "myapp")
+    after = _driver(STORE_AFTER, info["gcs"], "myapp")
+    assert after == {"alive": created["created"], "kept": [{"id": "resp_a"}, ["turn"]], "gone": True}, after
 
 
 def test_serve_prints_ready_once_the_workers_have_reported_to_the_hub(local_ray):

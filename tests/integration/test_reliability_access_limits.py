@@ -36,7 +36,7 @@ KV_BYTES = 12 * 16 * 256
 def cluster(tmp_path_factory):
     config = cpu_config(engine={"kv_cache_memory_bytes": KV_BYTES, "max_num_seqs": 8},
                         replicas={"max_ongoing_requests": 4, "max_queued_requests": 4},
-                        server={"auth_metrics": True, "api_docs": True},
+                        server={"auth_metrics": True, "api_docs": True, "responses_store": 2},
                         limits={"max_prompt_tokens": 100, "max_output_tokens": MAX_OUTPUT,
                                 "max_body_bytes": 16384})
     old = os.environ.get("KVMESH_API_KEYS")
@@ -150,6 +150,26 @@ def test_every_route_but_health_needs_the_key(cluster):
             assert hdrs["WWW-Authenticate"] == "Bearer", (method, path)
     status, body, _ = http(cluster.http_url + "/tokenize", {"model": MODEL, "prompt": "hello"}, auth(ENV_KEY))
     assert status == 200 and body["count"] >= 1, body
+
+
+def test_a_stored_response_is_the_storing_keys_alone_and_the_oldest_goes_beyond_the_store(cluster):
+    """server.responses_store: 2 here. Another key finds nothing under a response's id (retrieve,
+    delete, previous_response_id): a 404, as for an id never stored."""
+    import openai
+
+    mine, theirs = (openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=k, max_retries=0)
+                    for k in (CLI_KEY, ENV_KEY))
+    ids = [mine.responses.create(model=MODEL, input=f"turn {i}", max_output_tokens=2, store=True).id
+           for i in range(3)]
+    with pytest.raises(openai.NotFoundError):  # the oldest of three went
+        mine.responses.retrieve(ids[0])
+    assert [mine.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    for call in (lambda: theirs.responses.retrieve(ids[2]), lambda: theirs.responses.delete(ids[2]),
+                 lambda: theirs.responses.create(model=MODEL, input="x", previous_response_id=ids[2],
+                                                 max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert mine.responses.retrieve(ids[2]).id == ids[2]  # still there for its key
 
 
 def test_health_is_open_and_metrics_needs_a_key_as_configured(cluster):

@@ -5,7 +5,8 @@ offline engine: tests/integration/test_cluster_serving.py."""
 import pytest
 
 from kvmesh.cluster.openai_protocol import ApiError, ChatCompletionRequest, parse_request
-from kvmesh.cluster.responses_api import (ResponseShaper, chat_body, in_responses_terms,
+from kvmesh.cluster.response_store import StoredResponses, owner_of
+from kvmesh.cluster.responses_api import (ResponseShaper, chat_body, conversation, in_responses_terms,
                                           response_body)
 
 
@@ -51,7 +52,13 @@ def test_text_format_is_the_chats_response_format(text, expected):
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
+    ({"include": "message.output_text.logprobs"}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": True}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "tools": [{"type": "function", "name": "f"}]}, "include"),
+    ({"store": "yes"}, "store"),
     ({"truncation": "auto"}, "truncation"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": True}, "max_output_tokens"),
@@ -199,3 +206,83 @@ def test_a_chats_tool_calls_are_function_call_items_after_its_message():
     assert [item["type"] for item in response_body(shaper, chat)["output"]] == ["message", "function_call"]
     from openai.types.responses import Response
     assert Response.model_validate(response_body(shaper, chat)).output[1].name == "f"
+
+
+# ---- logprobs (include message.output_text.logprobs, top_logprobs) ---------------------------------
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def test_included_logprobs_are_the_chats_logprobs_with_top_logprobs_alternatives():
+    assert chat_body({"model": "m", "input": "x", "include": LOGPROBS, "top_logprobs": 3}) | {"messages": []} == {
+        "model": "m", "messages": [], "logprobs": True, "top_logprobs": 3}
+    assert chat_body({"model": "m", "input": "x", "include": LOGPROBS})["top_logprobs"] == 0
+    assert "logprobs" not in chat_body({"model": "m", "input": "x", "include": [], "top_logprobs": 0})
+    tools = [{"type": "function", "name": "f"}]  # the model may not call them: the text is the output
+    assert chat_body({"model": "m", "input": "x", "include": LOGPROBS, "tools": tools,
+                      "tool_choice": "none"})["logprobs"] is True
+
+
+def test_a_chats_logprobs_are_the_output_texts_and_the_client_parses_them():
+    from openai.types.responses import Response
+
+    entries = [{"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114],
+                "top_logprobs": [{"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114]}]},
+               {"token": "is", "logprob": -0.1, "bytes": [105, 115], "top_logprobs": []}]
+    chat = chat_completion("Paris", "stop")
+    chat["choices"][0]["logprobs"] = {"content": entries}
+    body = response_body(ResponseShaper({"model": "m", "input": "x", "top_logprobs": 1}, "m", 0), chat)
+    assert body["output"][0]["content"][0]["logprobs"] == entries and body["top_logprobs"] == 1
+    parsed = Response.model_validate(body)
+    assert [lp.logprob for lp in parsed.output[0].content[0].logprobs] == [-0.5, -0.1]
+
+
+# ---- stored responses (server.responses_store) ------------------------------------------------------
+
+def test_store_true_is_taken_when_the_server_stores_and_the_response_says_so():
+    body = {"model": "m", "input": "x", "store": True}
+    chat_body(body, store=True)
+    shaper = ResponseShaper(body, "m", 0)
+    assert shaper.stored and response_body(shaper, chat_completion("y", "stop"))["store"] is True
+    assert not ResponseShaper({"model": "m", "input": "x"}, "m", 0).stored  # left out: not stored
+
+
+def test_a_previous_responses_conversation_runs_before_the_input_and_its_instructions_do_not():
+    first = {"model": "m", "input": "Hi", "instructions": "Be brief.", "store": True}
+    shaper = ResponseShaper(first, "m", 0)
+    out = response_body(shaper, chat_completion("Hello!", "stop"))
+    earlier = conversation(shaper.earlier, first, out["output"])
+    assert [item.get("role") for item in earlier] == ["user", "assistant"]
+    second = {"model": "m", "input": [{"role": "user", "content": "Bye"}], "instructions": "Rhyme.",
+              "previous_response_id": out["id"]}
+    chat = chat_body(second, earlier, store=True)
+    assert chat["messages"] == [{"role": "system", "content": "Rhyme."}, {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    again = ResponseShaper(second, "m", 0, earlier)
+    assert response_body(again, chat_completion("Bye!", "stop"))["previous_response_id"] == out["id"]
+    # the chat's messages.3 is the input's first item: after the instructions and two earlier messages
+    e = in_responses_terms(ApiError(400, "messages.3.content: too long", param="messages.3.content"),
+                           second, earlier)
+    assert e.param == "input.0.content"
+    # a third turn continues the whole chain: conversations nest
+    third = conversation(earlier, second, [{"type": "message", "role": "assistant", "content": "Bye!"}])
+    assert [m["content"] for m in chat_body({"model": "m", "input": "Again"}, third, store=True)["messages"]] == [
+        "Hi", "Hello!", "Bye", "Bye!", "Again"]
+
+
+def test_the_store_keeps_the_newest_up_to_its_capacity_each_for_its_owner():
+    store = StoredResponses()
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [i], owner="a", capacity=2)
+    assert len(store) == 2 and store.get("r0", "a") is None  # the oldest went
+    assert store.get("r1", "a") == ({"id": "r1"}, [1])  # a read keeps it: r2 is now the oldest
+    store.put({"id": "r3"}, [3], owner="a", capacity=2)
+    assert store.get("r2", "a") is None and store.get("r1", "a") is not None
+    assert store.get("r1", "b") is None and not store.delete("r1", "b")  # another key finds nothing
+    assert store.delete("r1", "a") and store.get("r1", "a") is None and not store.delete("r1", "a")
+
+
+def test_an_owner_is_a_digest_of_the_api_key_never_the_key():
+    assert owner_of(None) == owner_of("") == ""
+    assert owner_of("sk-a") != owner_of("sk-b") and owner_of("sk-a") == owner_of("sk-a")
+    assert "sk-a" not in owner_of("sk-a") and len(owner_of("sk-a")) == 64

@@ -40,7 +40,7 @@ def test_defaults_match_the_contract():
                              "stream_idle_timeout_s": 30.0,
                              "max_header_bytes": 65_536, "header_timeout_s": 10.0,
                              "keep_alive_timeout_s": 90, "grpc_max_message_bytes": 4_194_304,
-                             "grpc_reflection": False}
+                             "grpc_reflection": False, "responses_store": 0}
     assert cfg["limits"] == {"max_prompt_tokens": None, "max_output_tokens": None,
                              "max_body_bytes": 1_048_576, "max_prompt_chars": None}
 
