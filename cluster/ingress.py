@@ -9,7 +9,9 @@ disconnects closes its stream, which aborts the request on the worker.
 """
 
 import asyncio
+import contextvars
 import functools
+import logging
 import json
 import time
 
@@ -60,6 +62,15 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
+logger = logging.getLogger("kvmesh.cluster")
+BACKGROUND_TOUCH_S = 1.0  # how often a background response tells the store it runs (and hears of a cancel)
+
+
+def _store_unavailable(e: Exception) -> ApiError:
+    return ApiError(503, f"the response store did not answer, so the response was not stored: {e!r}",
+                    type="server_error", code="response_store_unavailable", retry_after_s=1)
+
+
 def _not_stored(response_id: str, param: str) -> ApiError:
     return ApiError(404, f"{param}: no stored response {response_id!r} (stored responses are kept in memory, "
                     "the oldest dropped beyond server.responses_store, and only for the API key that stored them)",
@@ -96,6 +107,7 @@ class Ingress(GrpcService, HealthService):
         # /v1/responses' store (server.responses_store; None: off), one actor for every replica
         self.stored_responses = (get_or_create_store(self.config.app_name)
                                  if self.config.server.responses_store else None)
+        self._background: set[asyncio.Task] = set()  # background responses running here
         self.created = int(time.time())  # the model cards' `created`: when this replica started
         process_metrics.register(self.frontend.metrics.registry)
         self._metrics_publisher = asyncio.get_running_loop().create_task(publish_forever(
@@ -272,6 +284,24 @@ class Ingress(GrpcService, HealthService):
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request):
+        """Cancel a background response: its generation stops (aborted on the worker within
+        BACKGROUND_TOUCH_S) and it stays stored as cancelled; one that had ended is returned as is."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            self._no_query(request)
+            self._store_on("response_id")
+            found = await self.stored_responses.cancel.remote(response_id, self._owner(request))
+            if found is None:
+                raise _not_stored(response_id, "response_id")
+            if found == "not_background":
+                raise ApiError(400, f"response_id: {response_id!r} was not created with background: true; "
+                               "only a background response can be cancelled", param="response_id")
+            return found
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
     def _owner(self, request: Request) -> str:
         """Whose stored responses a request reaches: its API key's (everyone's without keys)."""
         if not self.api_keys.enabled:
@@ -296,11 +326,12 @@ class Ingress(GrpcService, HealthService):
             raise _not_stored(response_id, param)
         return found
 
-    async def _keep(self, shaper, raw: dict, owner: str, response: dict) -> None:
-        """Store a finished response with its conversation (the one before it, its input, its output)."""
-        await self.stored_responses.put.remote(
-            response, responses_api.conversation(shaper.earlier, raw, response["output"]), owner,
-            self.config.server.responses_store)
+    async def _keep(self, shaper, raw: dict, owner: str, response: dict, background: bool = False) -> None:
+        """Store a finished response with its conversation (the one before it, its input, its
+        output), or a background one as it starts (its conversation when it finishes)."""
+        done = None if background else responses_api.conversation(shaper.earlier, raw, response["output"])
+        await self.stored_responses.put.remote(response, done, owner, self.config.server.responses_store,
+                                               background)
 
     async def _complete(self, request: Request, kind: str):
         arrival = time.time()
@@ -316,6 +347,10 @@ class Ingress(GrpcService, HealthService):
                     if not isinstance(previous, str):
                         raise ApiError(400, "previous_response_id: a string", param="previous_response_id")
                     earlier = (await self._stored(previous, owner, "previous_response_id"))[1]
+                    if earlier is None:
+                        raise ApiError(400, f"previous_response_id: {previous!r} has not finished (a background "
+                                       "response still running, or one cancelled or failed)",
+                                       param="previous_response_id")
                 responses = responses_api.ResponseShaper(raw, self.frontend.model_name, now(), earlier)
                 req, kind = parse_request(responses_api.chat_body(raw, earlier, self.stored_responses is not None),
                                           ChatCompletionRequest), "chat"
@@ -365,40 +400,90 @@ class Ingress(GrpcService, HealthService):
                                 bool(options.get("continuous_usage_stats")))
                 return SseResponse(streams, body, media_type="text/event-stream",
                                    headers={"Cache-Control": "no-cache"})
-            if len(admitted) == 1:
-                results = [await self.pipeline.whole(admitted[0])]
-            else:
-                results = await self.pipeline.whole_of_several(admitted)
-            body = _combined([
-                whole_body(shaper, result, one.routed.sampling_params, kind, echo,
-                           result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
-                           result.last.num_cached_tokens)
-                for one, result, echo in zip(admitted, results, echoes)])
-            if tools is not None and tools.parses_output:  # each choice parsed on its own
-                sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
-                for choice, sequence in zip(body["choices"], sequences):
-                    content, calls = tool_parser.parse_output(sequence.text, tools)
-                    choice["message"]["content"] = content
-                    if calls:
-                        choice["message"]["tool_calls"] = [c.body() for c in calls]
-                    choice["finish_reason"] = tool_parser.finish_reason(
-                        sequence.last.finish_reason if sequence.last is not None else None,
-                        tools, calls)
+            whole = functools.partial(self._whole, kind, admitted, shaper, echoes, tools)
+            if responses is not None and responses.background:
+                return await self._start_in_background(responses, whole, keep)
+            body = await whole()
             if responses is not None:
                 answer = responses_api.response_body(responses, body)
                 if keep is not None:
                     try:
                         await keep(answer)
                     except Exception as e:
-                        raise ApiError(503, f"the response store did not answer, so the response was not "
-                                       f"stored: {e!r}", type="server_error",
-                                       code="response_store_unavailable", retry_after_s=1) from None
+                        raise _store_unavailable(e) from None
                 return answer
             return body
         except ApiError as e:
             if responses is not None:
                 e = responses_api.in_responses_terms(e, responses.body, responses.earlier)
             return _error_response(self.pipeline.refused(e))
+
+    async def _whole(self, kind: str, admitted: list, shaper: Shaper, echoes: list, tools) -> dict:
+        """The body of a non-streaming request's admitted prompts, run to their ends."""
+        if len(admitted) == 1:
+            results = [await self.pipeline.whole(admitted[0])]
+        else:
+            results = await self.pipeline.whole_of_several(admitted)
+        body = _combined([
+            whole_body(shaper, result, one.routed.sampling_params, kind, echo,
+                       result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
+                       result.last.num_cached_tokens)
+            for one, result, echo in zip(admitted, results, echoes)])
+        if tools is not None and tools.parses_output:  # each choice parsed on its own
+            sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
+            for choice, sequence in zip(body["choices"], sequences):
+                content, calls = tool_parser.parse_output(sequence.text, tools)
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                choice["finish_reason"] = tool_parser.finish_reason(
+                    sequence.last.finish_reason if sequence.last is not None else None,
+                    tools, calls)
+        return body
+
+    async def _start_in_background(self, shaper, whole, keep) -> dict:
+        """A `background: true` response: stored as queued and answered at once; it runs on in a
+        task of this replica (out of the HTTP request's context, so the client's going does not
+        cancel it), which tells the store every BACKGROUND_TOUCH_S that it runs and stops when the
+        store says it was cancelled, deleted or dropped, and stores its end (failed on an error)."""
+        queued = shaper.response("queued", [])
+        try:
+            await keep(queued, background=True)
+        except Exception as e:
+            raise _store_unavailable(e) from None
+        task = asyncio.get_running_loop().create_task(self._run_in_background(shaper, whole),
+                                                      context=contextvars.Context())
+        self._background.add(task)  # held until it ends (the loop keeps only weak references)
+        task.add_done_callback(self._background.discard)
+        return queued
+
+    async def _run_in_background(self, shaper, whole) -> None:
+        store, response_id = self.stored_responses, shaper.id
+        work = asyncio.ensure_future(whole())
+        try:
+            stop = await store.touch.remote(response_id, shaper.response("in_progress", []))
+            while not stop:
+                done, _ = await asyncio.wait({work}, timeout=BACKGROUND_TOUCH_S)
+                if done:
+                    break
+                stop = await store.touch.remote(response_id)
+            if stop:  # cancelled (the store holds it as such), deleted or dropped
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return
+            try:
+                answer = responses_api.response_body(shaper, work.result())
+            except ApiError as e:
+                e = responses_api.in_responses_terms(e, shaper.body, shaper.earlier)
+                answer = shaper.response("failed", [], error={"code": e.code or "server_error",
+                                                              "message": e.message})
+            await store.finish.remote(answer, responses_api.conversation(shaper.earlier, shaper.body,
+                                                                         answer["output"]))
+        except Exception:  # the store is gone: nothing to tell
+            logger.warning("kvmesh: background response %s ended without being stored", response_id,
+                           exc_info=True)
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
 
     async def _parse(self, request: Request, kind: str):
         return parse_request(await self._json(request),

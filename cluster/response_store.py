@@ -1,5 +1,6 @@
 """Stored /v1/responses responses (`server.responses_store`): what `store: true` keeps, for
-`GET /v1/responses/{id}`, `DELETE /v1/responses/{id}` and a later request's `previous_response_id`.
+`GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` (of a
+background response) and a later request's `previous_response_id`.
 
 One Ray actor per app, shared by every ingress replica (a response stored through one replica is
 found through another), named after the app and detached as the KV event hub is; `kvmesh serve`'s
@@ -9,6 +10,11 @@ conversation: the earlier conversation it continued, its own input items, and it
 which is what a request naming it as `previous_response_id` is run after (the earlier
 `instructions` are not carried over, as OpenAI's are not).
 
+A `background: true` response is stored queued as it starts; its runner (a task of the ingress
+replica that took it) touches it every second and stores its end, unless it was cancelled, deleted or
+dropped meanwhile, which the touch tells it so that it stops. A runner silent for STALE_S (its
+replica died) leaves the response failed.
+
 A response belongs to the API key that stored it (a SHA-256 digest of the key is kept, never the
 key): another key finds nothing under its id, so ids cannot be probed across keys. Without API
 keys every caller is the same owner. An actor that died comes back empty (max_restarts).
@@ -16,7 +22,9 @@ keys every caller is the same owner. An actor that died comes back empty (max_re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import time
 from collections import OrderedDict
 
 import ray
@@ -35,36 +43,94 @@ def owner_of(api_key: str | None) -> str:
     return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class StoredResponses:
-    """The bounded store itself (the actor's state; plain so it is tested without Ray)."""
+STALE_S = 15.0  # a background response whose runner has not touched it this long has lost it
+RUNNING = ("queued", "in_progress")
 
-    def __init__(self):
-        self._items: OrderedDict[str, tuple[str, dict, list]] = OrderedDict()
+
+@dataclasses.dataclass
+class _Entry:
+    owner: str
+    response: dict
+    conversation: list | None  # None until it finished
+    background: bool = False
+    touched: float = 0.0  # a background response: when its runner last said it runs
+    cancelled: bool = False
+
+
+class StoredResponses:
+    """The bounded store itself (the actor's state; plain so it is tested without Ray). `clock`:
+    the monotonic time, for a background response's liveness."""
+
+    def __init__(self, clock=time.monotonic):
+        self._items: OrderedDict[str, _Entry] = OrderedDict()
+        self._clock = clock
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict, conversation: list, owner: str, capacity: int) -> None:
-        """Keep `response` (under its id) with its conversation; drop the oldest beyond capacity."""
-        self._items[response["id"]] = (owner, response, conversation)
+    def put(self, response: dict, conversation: list | None, owner: str, capacity: int,
+            background: bool = False) -> None:
+        """Keep `response` (under its id) with its conversation (None: a background response not
+        finished yet); drop the oldest beyond capacity."""
+        self._items[response["id"]] = _Entry(owner, response, conversation, background, self._clock())
         self._items.move_to_end(response["id"])
         while len(self._items) > max(capacity, 0):
             self._items.popitem(last=False)
 
-    def get(self, response_id: str, owner: str) -> tuple[dict, list] | None:
-        """(response, conversation) stored by `owner` under the id, else None; a read keeps it."""
-        found = self._items.get(response_id)
-        if found is None or found[0] != owner:
+    def get(self, response_id: str, owner: str) -> tuple[dict, list | None] | None:
+        """(response, conversation) stored by `owner` under the id, else None; a read keeps it. A
+        background response whose runner stopped touching it (its ingress replica died) is failed."""
+        entry = self._found(response_id, owner)
+        if entry is None:
             return None
         self._items.move_to_end(response_id)
-        return found[1], found[2]
+        if entry.response.get("status") in RUNNING and self._clock() - entry.touched > STALE_S:
+            entry.response = {**entry.response, "status": "failed", "error": {
+                "code": "server_error", "message": f"the ingress replica running it stopped (no word from it "
+                                                   f"in {STALE_S:g} s)"}}
+        return entry.response, entry.conversation
 
     def delete(self, response_id: str, owner: str) -> bool:
-        found = self._items.get(response_id)
-        if found is None or found[0] != owner:
+        if self._found(response_id, owner) is None:
             return False
         del self._items[response_id]
         return True
+
+    def touch(self, response_id: str, response: dict | None = None) -> bool:
+        """A background response's runner: it still runs (its response now `response`, if given).
+        Whether it should stop: cancelled, deleted or dropped."""
+        entry = self._items.get(response_id)
+        if entry is None or entry.cancelled:
+            return True
+        entry.touched = self._clock()
+        if response is not None:
+            entry.response = response
+        return False
+
+    def finish(self, response: dict, conversation: list) -> bool:
+        """A background response's end; False (and nothing kept) if it was cancelled, deleted or dropped."""
+        entry = self._items.get(response["id"])
+        if entry is None or entry.cancelled:
+            return False
+        entry.response, entry.conversation = response, conversation
+        return True
+
+    def cancel(self, response_id: str, owner: str) -> dict | str | None:
+        """Cancel a background response: the response as it now stands ("cancelled" unless it had
+        ended), "not_background" for a response that was not one, None if there is none."""
+        entry = self._found(response_id, owner)
+        if entry is None:
+            return None
+        if not entry.background:
+            return "not_background"
+        if entry.response.get("status") in RUNNING:
+            entry.cancelled = True
+            entry.response = {**entry.response, "status": "cancelled"}
+        return entry.response
+
+    def _found(self, response_id: str, owner: str) -> _Entry | None:
+        entry = self._items.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1)

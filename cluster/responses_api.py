@@ -9,8 +9,9 @@ sampling fields (seed, stop, top_k, min_p, penalties). Function `tools`, `tool_c
 `parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
 `function_call` / `function_call_output` input items are an assistant's tool calls and their tool
 messages. With the server's store on (`server.responses_store`, cluster/response_store.py),
-`store: true` keeps the response and `previous_response_id` runs the request after a stored
-response's conversation. What it cannot honour is refused with a 400 naming the field: other tool
+`store: true` keeps the response, `background: true` (stored) answers at once and runs on in the
+ingress (cluster/ingress.py), and `previous_response_id` runs the request after a stored response's
+conversation. What it cannot honour is refused with a 400 naming the field: other tool
 types, `store: true` and `previous_response_id` with the store off, `reasoning`, other `include`s,
 `truncation: "auto"`, image / file / audio parts, other input items, and any unknown field.
 
@@ -42,7 +43,7 @@ SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "pres
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "store", "metadata", "user", "text", "tools", "tool_choice",
                     "parallel_tool_calls", "truncation", "previous_response_id", "reasoning", "include",
-                    "top_logprobs", *SAMPLING_EXTRAS})
+                    "top_logprobs", "background", *SAMPLING_EXTRAS})
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text"}
 MAX_METADATA_KEYS = 16  # OpenAI's limit
@@ -63,6 +64,14 @@ def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> di
     for name in body:
         if name not in FIELDS:
             raise _bad(name, f"not a field of /v1/responses here (known: {', '.join(sorted(FIELDS))})")
+    if body.get("background") is not None:
+        if not isinstance(body["background"], bool):
+            raise _bad("background", "a boolean")
+        if body["background"] and body.get("store") is not True:
+            raise _bad("background", "a background response is read back from the store: send store: true too")
+        if body["background"] and body.get("stream"):
+            raise _bad("background", "a background response cannot be streamed here; read it back with "
+                       "GET /v1/responses/{id}")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise _bad("store", "a boolean")
     if body.get("store") and not store:
@@ -272,12 +281,14 @@ class ResponseShaper:
         self.created_at = created_at
         self.earlier = earlier or []  # the conversation of its previous_response_id
         self.stored = isinstance(body, dict) and body.get("store") is True
+        self.background = isinstance(body, dict) and body.get("background") is True
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:
         body = self.body
         text = body.get("text") or {"format": {"type": "text"}}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "background": self.background,
                 "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "model": self.model, "output": output,

@@ -127,15 +127,27 @@ def test_the_direct_port_serves_the_same_api_from_both_ingress_replicas(cluster)
     assert status == 400 and error["error"]["param"] == "temperature"
 
 
+def running_and_tokens_out(cluster) -> tuple[int, int]:
+    """The workers' running requests and output tokens so far (/v1/kvmesh/workers)."""
+    with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=10) as r:
+        rows = json.load(r)["workers"]
+    return sum(w["running"] for w in rows), sum(w["tokens_out"] for w in rows)
+
+
+def stopped_after(cluster, tokens_before: int, timeout_s: float = 60) -> tuple[int, int]:
+    """(running, tokens out since `tokens_before`) once nothing runs on the workers, or at the bound."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running, tokens = running_and_tokens_out(cluster)
+        if running == 0 or time.monotonic() > deadline:
+            return running, tokens - tokens_before
+        time.sleep(0.2)
+
+
 def test_a_client_leaving_the_direct_port_aborts_its_request(cluster):
     import http.client
 
-    def workers():
-        with urllib.request.urlopen(cluster.http_url + "/v1/kvmesh/workers", timeout=10) as r:
-            rows = json.load(r)["workers"]
-        return sum(w["running"] for w in rows), sum(w["tokens_out"] for w in rows)
-
-    tokens_before = workers()[1]
+    tokens_before = running_and_tokens_out(cluster)[1]
     port = int(cluster.direct_url.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({
@@ -144,15 +156,9 @@ def test_a_client_leaving_the_direct_port_aborts_its_request(cluster):
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.close()  # gone after the first chunk
-    deadline = time.monotonic() + 60
-    running = tokens = None
-    while time.monotonic() < deadline:
-        running, tokens = workers()
-        if running == 0:
-            break
-        time.sleep(0.2)
+    running, tokens = stopped_after(cluster, tokens_before)
     # it stopped, and well before its 1,500 tokens: the worker aborted it
-    assert running == 0 and tokens - tokens_before < 1000, (running, tokens - tokens_before)
+    assert running == 0 and tokens < 1000, (running, tokens)
 
 
 def request_totals(url: str) -> tuple[float, float]:
@@ -371,3 +377,53 @@ def test_an_unknown_previous_response_id_is_a_404_naming_it_and_the_server_goes_
     assert e.value.body["param"] == "previous_response_id"
     status, body, _ = post(cluster, {"model": MODEL, "prompt": "still here", "max_tokens": 2})
     assert status == 200
+
+
+def finished(client, response_id: str, timeout_s: float = 120):
+    """A background response read back until it is no longer queued or in progress."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = client.responses.retrieve(response_id)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.2)
+
+
+def test_a_background_response_is_answered_queued_and_read_back_finished(cluster):
+    """The same greedy text as the response asked for in the foreground; read back through either
+    replica, whichever runs it; and, finished, it can be continued."""
+    proxy, direct = clients(cluster)
+    body = {"model": MODEL, "input": "Work on this later.", "max_output_tokens": 10, "temperature": 0, "store": True}
+    queued = proxy.responses.create(**body, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = finished(direct, queued.id)
+    foreground = proxy.responses.create(**body)
+    assert done.status in ("completed", "incomplete") and done.output_text == foreground.output_text
+    assert done.usage.output_tokens == foreground.usage.output_tokens and done.background is True
+    assert proxy.responses.cancel(queued.id).status == done.status  # it had ended: returned as is
+    follow = proxy.responses.create(model=MODEL, input="More.", previous_response_id=queued.id, max_output_tokens=2)
+    assert follow.usage.input_tokens > foreground.usage.input_tokens
+
+
+def test_cancelling_a_background_response_aborts_it_on_the_worker(cluster):
+    import openai
+
+    proxy, direct = clients(cluster)
+    tokens_before = running_and_tokens_out(cluster)[1]
+    queued = proxy.responses.create(model=MODEL, input="A long answer nobody waits for.", max_output_tokens=1500,
+                                    temperature=0, store=True, background=True)
+    deadline = time.monotonic() + 60
+    while running_and_tokens_out(cluster)[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until it generates
+    assert direct.responses.cancel(queued.id).status == "cancelled"
+    running, tokens = stopped_after(cluster, tokens_before)
+    assert running == 0 and tokens < 1000, (running, tokens)  # stopped well before its 1,500 tokens
+    assert finished(proxy, queued.id).status == "cancelled"  # its runner did not overwrite it
+    with pytest.raises(openai.BadRequestError) as e:
+        proxy.responses.create(model=MODEL, input="x", previous_response_id=queued.id, max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    # only a background response can be cancelled
+    stored = proxy.responses.create(model=MODEL, input="y", max_output_tokens=2, store=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        proxy.responses.cancel(stored.id)
+    assert e.value.body["param"] == "response_id"

@@ -59,6 +59,9 @@ def test_text_format_is_the_chats_response_format(text, expected):
     ({"include": ["message.output_text.logprobs"], "top_logprobs": True}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"], "tools": [{"type": "function", "name": "f"}]}, "include"),
     ({"store": "yes"}, "store"),
+    ({"background": True}, "background"),  # not stored
+    ({"background": True, "store": True, "stream": True}, "background"),
+    ({"background": "yes"}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": True}, "max_output_tokens"),
@@ -286,3 +289,30 @@ def test_an_owner_is_a_digest_of_the_api_key_never_the_key():
     assert owner_of(None) == owner_of("") == ""
     assert owner_of("sk-a") != owner_of("sk-b") and owner_of("sk-a") == owner_of("sk-a")
     assert "sk-a" not in owner_of("sk-a") and len(owner_of("sk-a")) == 64
+
+
+def test_a_background_response_runs_until_cancelled_or_its_runner_goes_quiet():
+    now = [0.0]
+    store = StoredResponses(clock=lambda: now[0])
+    store.put({"id": "bg", "status": "queued"}, None, owner="a", capacity=10, background=True)
+    assert store.touch("bg", {"id": "bg", "status": "in_progress"}) is False  # runs on
+    now[0] = 10.0
+    assert store.get("bg", "a") == ({"id": "bg", "status": "in_progress"}, None)
+    assert store.cancel("bg", "b") is None  # another key's: not found
+    assert store.cancel("bg", "a")["status"] == "cancelled"
+    assert store.touch("bg") is True  # its runner hears it and stops
+    assert store.finish({"id": "bg", "status": "completed"}, ["c"]) is False  # and cannot overwrite it
+    assert store.get("bg", "a")[0]["status"] == "cancelled"
+    # a runner that stops touching (its ingress replica died) leaves a failed response
+    store.put({"id": "lost", "status": "queued"}, None, owner="a", capacity=10, background=True)
+    now[0] = 10.0 + 16
+    lost = store.get("lost", "a")[0]
+    assert lost["status"] == "failed" and "stopped" in lost["error"]["message"]
+    # one that finishes is stored whole; cancelling it then returns it as it is
+    store.put({"id": "ok", "status": "queued"}, None, owner="a", capacity=10, background=True)
+    assert store.finish({"id": "ok", "status": "completed"}, ["turn"]) is True
+    assert store.cancel("ok", "a") == {"id": "ok", "status": "completed"}
+    assert store.get("ok", "a") == ({"id": "ok", "status": "completed"}, ["turn"])
+    store.put({"id": "fg", "status": "completed"}, ["t"], owner="a", capacity=10)
+    assert store.cancel("fg", "a") == "not_background"
+    assert store.delete("ok", "a") and store.touch("ok") is True  # deleted: its runner would stop
