@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     p.add_argument("--direct-http-port", type=int,
                    help="also serve the OpenAI API from the ingress replicas' own HTTP server on this "
                         "port, skipping Serve's proxy (server.direct_http_port; 0 = off)")
+    p.add_argument("--responses-store", type=int, metavar="N",
+                   help="keep up to N /v1/responses responses asked for with store: true "
+                        "(server.responses_store; 0 = off)")
     p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this bearer token (repeat for several; adds to server.api_keys; "
@@ -77,6 +80,8 @@ def load_with_overrides(args):
         cfg["server"]["grpc_port"] = args.grpc_port
     if args.direct_http_port is not None:
         cfg["server"]["direct_http_port"] = args.direct_http_port
+    if getattr(args, "responses_store", None) is not None:
+        cfg["server"]["responses_store"] = args.responses_store
     for key in getattr(args, "api_key", None) or []:
         if key not in cfg["server"]["api_keys"]:
             cfg["server"]["api_keys"].append(key)
