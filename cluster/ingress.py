@@ -284,6 +284,24 @@ class Ingress(GrpcService, HealthService):
         except ApiError as e:
             return _error_response(self.pipeline.refused(e))
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request):
+        """OpenAI's list of a stored response's input items (the conversation it continued and its
+        input), paged by `limit`, `order` and `after`."""
+        try:
+            self.pipeline.authorize("api", request.headers.get("authorization"))
+            query = request.query_params
+            for name in query:
+                if name not in ("limit", "order", "after"):
+                    raise ApiError(400, f"{name}: not a query parameter here (limit, order, after)", param=name)
+            self._store_on("response_id")
+            items = await self.stored_responses.inputs.remote(response_id, self._owner(request))
+            if items is None:
+                raise _not_stored(response_id, "response_id")
+            return responses_api.item_page(items, query.get("limit"), query.get("order"), query.get("after"))
+        except ApiError as e:
+            return _error_response(self.pipeline.refused(e))
+
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(self, response_id: str, request: Request):
         """Cancel a background response: its generation stops (aborted on the worker within
@@ -326,12 +344,10 @@ class Ingress(GrpcService, HealthService):
             raise _not_stored(response_id, param)
         return found
 
-    async def _keep(self, shaper, raw: dict, owner: str, response: dict, background: bool = False) -> None:
-        """Store a finished response with its conversation (the one before it, its input, its
-        output), or a background one as it starts (its conversation when it finishes)."""
-        done = None if background else responses_api.conversation(shaper.earlier, raw, response["output"])
-        await self.stored_responses.put.remote(response, done, owner, self.config.server.responses_store,
-                                               background)
+    async def _keep(self, shaper, owner: str, response: dict, background: bool = False) -> None:
+        """Store a finished response, or a background one as it starts, with its input items."""
+        await self.stored_responses.put.remote(response, shaper.inputs, owner,
+                                               self.config.server.responses_store, background)
 
     async def _complete(self, request: Request, kind: str):
         arrival = time.time()
@@ -348,14 +364,14 @@ class Ingress(GrpcService, HealthService):
                         raise ApiError(400, "previous_response_id: a string", param="previous_response_id")
                     earlier = (await self._stored(previous, owner, "previous_response_id"))[1]
                     if earlier is None:
-                        raise ApiError(400, f"previous_response_id: {previous!r} has not finished (a background "
+                        raise ApiError(400, f"previous_response_id: {previous!r} did not finish (a background "
                                        "response still running, or one cancelled or failed)",
                                        param="previous_response_id")
                 responses = responses_api.ResponseShaper(raw, self.frontend.model_name, now(), earlier)
                 req, kind = parse_request(responses_api.chat_body(raw, earlier, self.stored_responses is not None),
                                           ChatCompletionRequest), "chat"
                 if responses.stored:
-                    keep = functools.partial(self._keep, responses, raw, owner)
+                    keep = functools.partial(self._keep, responses, owner)
             else:
                 req = await self._parse(request, kind)
             structured = parse_structured(req)
@@ -477,8 +493,7 @@ class Ingress(GrpcService, HealthService):
                 e = responses_api.in_responses_terms(e, shaper.body, shaper.earlier)
                 answer = shaper.response("failed", [], error={"code": e.code or "server_error",
                                                               "message": e.message})
-            await store.finish.remote(answer, responses_api.conversation(shaper.earlier, shaper.body,
-                                                                         answer["output"]))
+            await store.finish.remote(answer)
         except Exception:  # the store is gone: nothing to tell
             logger.warning("kvmesh: background response %s ended without being stored", response_id,
                            exc_info=True)

@@ -5,10 +5,11 @@ background response) and a later request's `previous_response_id`.
 One Ray actor per app, shared by every ingress replica (a response stored through one replica is
 found through another), named after the app and detached as the KV event hub is; `kvmesh serve`'s
 shutdown kills both. It keeps at most `server.responses_store` responses in memory, the least
-recently stored or read dropped first, and none survives the actor. Each is kept with its
-conversation: the earlier conversation it continued, its own input items, and its output items,
-which is what a request naming it as `previous_response_id` is run after (the earlier
-`instructions` are not carried over, as OpenAI's are not).
+recently stored or read dropped first, and none survives the actor. Each is kept with its input
+items: the earlier conversation it continued and its own input (what GET .../input_items lists);
+with its output items once it finished (completed or incomplete), they are its conversation, what a
+request naming it as `previous_response_id` is run after (the earlier `instructions` are not carried
+over, as OpenAI's are not).
 
 A `background: true` response is stored queued as it starts; its runner (a task of the ingress
 replica that took it) touches it every second and stores its end, unless it was cancelled, deleted or
@@ -45,13 +46,14 @@ def owner_of(api_key: str | None) -> str:
 
 STALE_S = 15.0  # a background response whose runner has not touched it this long has lost it
 RUNNING = ("queued", "in_progress")
+FINISHED = ("completed", "incomplete")  # what can be continued
 
 
 @dataclasses.dataclass
 class _Entry:
     owner: str
     response: dict
-    conversation: list | None  # None until it finished
+    inputs: list  # the earlier conversation and its input
     background: bool = False
     touched: float = 0.0  # a background response: when its runner last said it runs
     cancelled: bool = False
@@ -68,18 +70,17 @@ class StoredResponses:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict, conversation: list | None, owner: str, capacity: int,
-            background: bool = False) -> None:
-        """Keep `response` (under its id) with its conversation (None: a background response not
-        finished yet); drop the oldest beyond capacity."""
-        self._items[response["id"]] = _Entry(owner, response, conversation, background, self._clock())
+    def put(self, response: dict, inputs: list, owner: str, capacity: int, background: bool = False) -> None:
+        """Keep `response` (under its id) with its input items; drop the oldest beyond capacity."""
+        self._items[response["id"]] = _Entry(owner, response, inputs, background, self._clock())
         self._items.move_to_end(response["id"])
         while len(self._items) > max(capacity, 0):
             self._items.popitem(last=False)
 
     def get(self, response_id: str, owner: str) -> tuple[dict, list | None] | None:
-        """(response, conversation) stored by `owner` under the id, else None; a read keeps it. A
-        background response whose runner stopped touching it (its ingress replica died) is failed."""
+        """(response, its conversation: None unless it finished) stored by `owner` under the id, else
+        None; a read keeps it. A background response whose runner stopped touching it (its ingress
+        replica died) is failed."""
         entry = self._found(response_id, owner)
         if entry is None:
             return None
@@ -88,7 +89,13 @@ class StoredResponses:
             entry.response = {**entry.response, "status": "failed", "error": {
                 "code": "server_error", "message": f"the ingress replica running it stopped (no word from it "
                                                    f"in {STALE_S:g} s)"}}
-        return entry.response, entry.conversation
+        done = entry.response.get("status") in FINISHED
+        return entry.response, [*entry.inputs, *entry.response.get("output", [])] if done else None
+
+    def inputs(self, response_id: str, owner: str) -> list | None:
+        """The input items of `owner`'s response (the earlier conversation and its input), else None."""
+        entry = self._found(response_id, owner)
+        return None if entry is None else entry.inputs
 
     def delete(self, response_id: str, owner: str) -> bool:
         if self._found(response_id, owner) is None:
@@ -107,12 +114,12 @@ class StoredResponses:
             entry.response = response
         return False
 
-    def finish(self, response: dict, conversation: list) -> bool:
+    def finish(self, response: dict) -> bool:
         """A background response's end; False (and nothing kept) if it was cancelled, deleted or dropped."""
         entry = self._items.get(response["id"])
         if entry is None or entry.cancelled:
             return False
-        entry.response, entry.conversation = response, conversation
+        entry.response = response
         return True
 
     def cancel(self, response_id: str, owner: str) -> dict | str | None:

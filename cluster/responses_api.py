@@ -9,9 +9,9 @@ sampling fields (seed, stop, top_k, min_p, penalties). Function `tools`, `tool_c
 `parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
 `function_call` / `function_call_output` input items are an assistant's tool calls and their tool
 messages. With the server's store on (`server.responses_store`, cluster/response_store.py),
-`store: true` keeps the response, `background: true` (stored) answers at once and runs on in the
-ingress (cluster/ingress.py), and `previous_response_id` runs the request after a stored response's
-conversation. What it cannot honour is refused with a 400 naming the field: other tool
+`store: true` keeps the response with its input items (`input_items`, listed by `item_page`),
+`background: true` (stored) answers at once and runs on in the ingress (cluster/ingress.py), and
+`previous_response_id` runs the request after a stored response's conversation. What it cannot honour is refused with a 400 naming the field: other tool
 types, `store: true` and `previous_response_id` with the store off, `reasoning`, other `include`s,
 `truncation: "auto"`, image / file / audio parts, other input items, and any unknown field.
 
@@ -26,6 +26,7 @@ max_output_tokens (or the context) ended it, or response.failed when the worker 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -142,15 +143,51 @@ def _logprobs(body: dict, calls_possible: bool) -> int | None:
     return top or 0
 
 
-def input_items(body: dict) -> list:
-    """The request's input as items (a string is one user message), as its conversation keeps them."""
+def input_items(body: dict) -> list[dict]:
+    """The request's input as items as OpenAI lists them: each with an id, a message's content as
+    parts (a string input is one user message); run through chat_body already."""
     items = body.get("input")
-    return [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else list(items)
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    return [_listed(item) for item in items]
 
 
-def conversation(earlier: list, body: dict, output: list[dict]) -> list:
-    """What a response is stored with: the conversation it continued, its input, its output."""
-    return [*earlier, *input_items(body), *output]
+def _listed(item: dict) -> dict:
+    kind = item.get("type", "message")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+    out = {"id": f"{prefix}_{uuid.uuid4().hex}", **item, "type": kind}
+    if kind == "message" and isinstance(item["content"], str):
+        part = ({"type": "output_text", "text": item["content"], "annotations": []} if item["role"] == "assistant"
+                else {"type": "input_text", "text": item["content"]})
+        out["content"] = [part]
+    if kind != "message" or item["role"] == "assistant":
+        out.setdefault("status", "completed")  # a field these items must have when listed
+    return out
+
+
+MAX_PAGE = 100  # OpenAI's limit on a page of listed items
+
+
+def item_page(items: list[dict], limit: str | None, order: str | None, after: str | None) -> dict:
+    """OpenAI's list object of `items` (oldest first): `order` desc (the default) or asc, up to
+    `limit` (20 by default, 1-100) after the item whose id is `after`; ApiError(400) naming a bad one."""
+    try:
+        size = 20 if limit is None else int(limit)
+    except ValueError:
+        size = 0
+    if not 1 <= size <= MAX_PAGE:
+        raise _bad("limit", f"an integer from 1 to {MAX_PAGE}")
+    if order not in (None, "asc", "desc"):
+        raise _bad("order", "asc or desc")
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise _bad("after", f"no input item {after!r} in this response")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:size]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > size}
 
 
 def _messages(body: dict, earlier: list) -> tuple[list[dict], int]:
@@ -282,6 +319,12 @@ class ResponseShaper:
         self.earlier = earlier or []  # the conversation of its previous_response_id
         self.stored = isinstance(body, dict) and body.get("store") is True
         self.background = isinstance(body, dict) and body.get("background") is True
+
+    @functools.cached_property
+    def inputs(self) -> list[dict]:
+        """What it is stored with: the conversation it continued and its input items (their ids
+        made once)."""
+        return [*self.earlier, *input_items(self.body)]
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:

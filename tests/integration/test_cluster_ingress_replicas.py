@@ -354,6 +354,14 @@ def test_previous_response_id_runs_the_turn_after_the_stored_conversation(cluste
         assert turn.output_text == chat.choices[0].message.content
         assert turn.usage.input_tokens == chat.usage.prompt_tokens
         messages += [{"role": "assistant", "content": turn.output_text}, {"role": "user", "content": "A third?"}]
+    # a response's input items: the conversation it continued and its input, newest first by default
+    listed = direct.responses.input_items.list(second.id)
+    assert [(item.type, item.role, item.content[0].text) for item in listed.data] == [
+        ("message", "user", "And another."), ("message", "assistant", first.output_text),
+        ("message", "user", "Name a sea.")]
+    assert listed.data[1].id == first.output[0].id and not listed.has_more
+    page = proxy.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [item.id for item in page.data] == [item.id for item in listed.data[::-1][:2]] and page.has_more
 
 
 def test_a_streamed_stored_response_is_stored_as_its_last_event_gives_it(cluster):

@@ -134,7 +134,8 @@ ray.init(address=sys.argv[1], namespace="not-serve", logging_level="WARNING")
 every_cpu = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
 ray.get(every_cpu.ready(), timeout=120)
 store = response_store.get_or_create_store(sys.argv[2])
-ray.get(store.put.remote({"id": "resp_a"}, ["turn"], "", 10), timeout=120)
+ray.get(store.put.remote({"id": "resp_a", "status": "completed", "output": ["answer"]}, ["turn"], "", 10),
+        timeout=120)
 print(json.dumps({"created": store._actor_id.hex()}), flush=True)
 remove_placement_group(every_cpu)
 ray.shutdown()
@@ -356,7 +357,8 @@ def test_the_response_store_outlives_its_creators_job_and_kvmesh_serves_shutdown
     assert store_name("myapp") == "kvmesh-responses-myapp"
     created = _driver(STORE_CREATOR, info["gcs"], "myapp")
     after = _driver(STORE_AFTER, info["gcs"], "myapp")
-    assert after == {"alive": created["created"], "kept": [{"id": "resp_a"}, ["turn"]], "gone": True}, after
+    kept = [{"id": "resp_a", "status": "completed", "output": ["answer"]}, ["turn", "answer"]]
+    assert after == {"alive": created["created"], "kept": kept, "gone": True}, after
 
 
 def test_serve_prints_ready_once_the_workers_have_reported_to_the_hub(local_ray):

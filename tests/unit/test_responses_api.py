@@ -6,7 +6,7 @@ import pytest
 
 from kvmesh.cluster.openai_protocol import ApiError, ChatCompletionRequest, parse_request
 from kvmesh.cluster.response_store import StoredResponses, owner_of
-from kvmesh.cluster.responses_api import (ResponseShaper, chat_body, conversation, in_responses_terms,
+from kvmesh.cluster.responses_api import (ResponseShaper, chat_body, in_responses_terms, item_page,
                                           response_body)
 
 
@@ -251,26 +251,62 @@ def test_store_true_is_taken_when_the_server_stores_and_the_response_says_so():
 
 
 def test_a_previous_responses_conversation_runs_before_the_input_and_its_instructions_do_not():
+    store = StoredResponses()
     first = {"model": "m", "input": "Hi", "instructions": "Be brief.", "store": True}
     shaper = ResponseShaper(first, "m", 0)
     out = response_body(shaper, chat_completion("Hello!", "stop"))
-    earlier = conversation(shaper.earlier, first, out["output"])
-    assert [item.get("role") for item in earlier] == ["user", "assistant"]
+    store.put(out, shaper.inputs, "", 10)
+    _, earlier = store.get(out["id"], "")
+    assert [(item["type"], item["role"]) for item in earlier] == [("message", "user"), ("message", "assistant")]
     second = {"model": "m", "input": [{"role": "user", "content": "Bye"}], "instructions": "Rhyme.",
               "previous_response_id": out["id"]}
     chat = chat_body(second, earlier, store=True)
     assert chat["messages"] == [{"role": "system", "content": "Rhyme."}, {"role": "user", "content": "Hi"},
                                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
     again = ResponseShaper(second, "m", 0, earlier)
-    assert response_body(again, chat_completion("Bye!", "stop"))["previous_response_id"] == out["id"]
+    out2 = response_body(again, chat_completion("Bye!", "stop"))
+    assert out2["previous_response_id"] == out["id"]
     # the chat's messages.3 is the input's first item: after the instructions and two earlier messages
     e = in_responses_terms(ApiError(400, "messages.3.content: too long", param="messages.3.content"),
                            second, earlier)
     assert e.param == "input.0.content"
     # a third turn continues the whole chain: conversations nest
-    third = conversation(earlier, second, [{"type": "message", "role": "assistant", "content": "Bye!"}])
+    store.put(out2, again.inputs, "", 10)
+    third = store.get(out2["id"], "")[1]
     assert [m["content"] for m in chat_body({"model": "m", "input": "Again"}, third, store=True)["messages"]] == [
         "Hi", "Hello!", "Bye", "Bye!", "Again"]
+    # an unfinished one has no conversation to continue
+    store.put({"id": "r", "status": "failed", "output": []}, [], "", 10)
+    assert store.get("r", "")[1] is None
+
+
+def test_input_items_are_listed_with_ids_newest_first_in_pages():
+    from pydantic import TypeAdapter
+    from openai.types.responses import ResponseItem
+
+    shaper = ResponseShaper({"model": "m", "input": [
+        {"role": "developer", "content": "Rules."}, {"role": "assistant", "content": "ok"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"role": "user", "content": [{"type": "input_text", "text": "Go"}]}]}, "m", 0)
+    items = shaper.inputs
+    assert items is shaper.inputs  # made once: the same ids each time
+    for item in items:
+        TypeAdapter(ResponseItem).validate_python(item)  # as the official client reads a listed item
+    assert len({item["id"] for item in items}) == 5
+    assert items[0]["content"] == [{"type": "input_text", "text": "Rules."}]
+    page = item_page(items, None, None, None)
+    assert page["data"] == items[::-1] and page["has_more"] is False  # desc by default
+    page = item_page(items, "2", "asc", None)
+    assert page["data"] == items[:2] and page["has_more"] and page["last_id"] == items[1]["id"]
+    page = item_page(items, "2", "asc", page["last_id"])
+    assert page["data"] == items[2:4] and page["first_id"] == items[2]["id"]
+    for limit, order, after, param in (("0", None, None, "limit"), ("x", None, None, "limit"),
+                                       ("101", None, None, "limit"), (None, "up", None, "order"),
+                                       (None, None, "msg_nope", "after")):
+        with pytest.raises(ApiError) as e:
+            item_page(items, limit, order, after)
+        assert e.value.param == param
 
 
 def test_the_store_keeps_the_newest_up_to_its_capacity_each_for_its_owner():
@@ -278,7 +314,8 @@ def test_the_store_keeps_the_newest_up_to_its_capacity_each_for_its_owner():
     for i in range(3):
         store.put({"id": f"r{i}"}, [i], owner="a", capacity=2)
     assert len(store) == 2 and store.get("r0", "a") is None  # the oldest went
-    assert store.get("r1", "a") == ({"id": "r1"}, [1])  # a read keeps it: r2 is now the oldest
+    assert store.get("r1", "a") == ({"id": "r1"}, None)  # a read keeps it: r2 is now the oldest
+    assert store.inputs("r1", "a") == [1]
     store.put({"id": "r3"}, [3], owner="a", capacity=2)
     assert store.get("r2", "a") is None and store.get("r1", "a") is not None
     assert store.get("r1", "b") is None and not store.delete("r1", "b")  # another key finds nothing
@@ -294,25 +331,25 @@ def test_an_owner_is_a_digest_of_the_api_key_never_the_key():
 def test_a_background_response_runs_until_cancelled_or_its_runner_goes_quiet():
     now = [0.0]
     store = StoredResponses(clock=lambda: now[0])
-    store.put({"id": "bg", "status": "queued"}, None, owner="a", capacity=10, background=True)
+    store.put({"id": "bg", "status": "queued"}, [], owner="a", capacity=10, background=True)
     assert store.touch("bg", {"id": "bg", "status": "in_progress"}) is False  # runs on
     now[0] = 10.0
-    assert store.get("bg", "a") == ({"id": "bg", "status": "in_progress"}, None)
+    assert store.get("bg", "a") == ({"id": "bg", "status": "in_progress"}, None)  # not finished: no conversation
     assert store.cancel("bg", "b") is None  # another key's: not found
     assert store.cancel("bg", "a")["status"] == "cancelled"
     assert store.touch("bg") is True  # its runner hears it and stops
-    assert store.finish({"id": "bg", "status": "completed"}, ["c"]) is False  # and cannot overwrite it
+    assert store.finish({"id": "bg", "status": "completed"}) is False  # and cannot overwrite it
     assert store.get("bg", "a")[0]["status"] == "cancelled"
     # a runner that stops touching (its ingress replica died) leaves a failed response
-    store.put({"id": "lost", "status": "queued"}, None, owner="a", capacity=10, background=True)
+    store.put({"id": "lost", "status": "queued"}, [], owner="a", capacity=10, background=True)
     now[0] = 10.0 + 16
     lost = store.get("lost", "a")[0]
     assert lost["status"] == "failed" and "stopped" in lost["error"]["message"]
     # one that finishes is stored whole; cancelling it then returns it as it is
-    store.put({"id": "ok", "status": "queued"}, None, owner="a", capacity=10, background=True)
-    assert store.finish({"id": "ok", "status": "completed"}, ["turn"]) is True
-    assert store.cancel("ok", "a") == {"id": "ok", "status": "completed"}
-    assert store.get("ok", "a") == ({"id": "ok", "status": "completed"}, ["turn"])
-    store.put({"id": "fg", "status": "completed"}, ["t"], owner="a", capacity=10)
+    store.put({"id": "ok", "status": "queued"}, ["turn"], owner="a", capacity=10, background=True)
+    assert store.finish({"id": "ok", "status": "completed", "output": ["answer"]}) is True
+    assert store.cancel("ok", "a")["status"] == "completed"
+    assert store.get("ok", "a")[1] == ["turn", "answer"]  # its conversation: input, then output
+    store.put({"id": "fg", "status": "completed", "output": []}, ["t"], owner="a", capacity=10)
     assert store.cancel("fg", "a") == "not_background"
     assert store.delete("ok", "a") and store.touch("ok") is True  # deleted: its runner would stop
