@@ -55,17 +55,10 @@ REFUSED: dict[str, Refused] = {
                                  "cached blocks; `user` or the session header set a session key)"),
     "safety_identifier": _refused("safety_identifier is not supported"),
     # vLLM's chat template and prompt handling
-    "echo": _refused("echo on chat (vLLM: the last message's content leads the answer) is not "
-                     "supported", {CHAT}, (None, False)),  # completions' echo is implemented
-    "add_generation_prompt": _refused("the chat template is always applied with the generation "
-                                      "prompt", {CHAT}, (None, True)),
-    "continue_final_message": _refused("continue_final_message is not supported", {CHAT},
-                                       (None, False)),
     "add_special_tokens": _refused("add_special_tokens is not supported (prompts are tokenized "
                                    "as kvmesh.LLM does)"),
     "documents": _refused("documents are not supported", {CHAT}),
     "chat_template": _refused("a per-request chat template is not supported", {CHAT}),
-    "chat_template_kwargs": _refused("chat_template_kwargs is not supported", {CHAT}),
     "mm_processor_kwargs": _refused("multimodal input is not supported", {CHAT}),
     "truncate_prompt_tokens": _refused("truncate_prompt_tokens is not supported"),
     "prompt_embeds": _refused("prompt_embeds is not supported", {COMPLETION}),

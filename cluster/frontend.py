@@ -16,6 +16,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jinja2
+
 from kvmesh.cluster.generation import MAX_ATTEMPTS, WORKER_GONE
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.cluster.metrics import IngressMetrics
@@ -24,7 +26,7 @@ from kvmesh.hashing import block_hashes
 from kvmesh.protocol import PromptSizeError, TokenDelta, check_prompt_size
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.serve_config import ServeConfig
-from kvmesh.worker.chat_template import encode_chat
+from kvmesh.worker.chat_template import DEFAULT_OPTIONS, TemplateOptions, encode_chat
 
 logger = logging.getLogger("kvmesh.cluster")
 
@@ -103,17 +105,26 @@ class Frontend:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          options: TemplateOptions = DEFAULT_OPTIONS) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
         num_chars = sum(message_chars(m) for m in messages)
         if tools:
             num_chars += len(json.dumps(tools))
+        if options.kwargs:
+            num_chars += len(json.dumps(options.kwargs))
         await self._check_chars(num_chars, "messages")
         # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
-        return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
-                                    self.config.server.special_tokens_in_content, tools=tools)
+        try:
+            return await self._tokenize(num_chars, encode_chat, self.tokenizer, messages,
+                                        self.config.server.special_tokens_in_content, tools=tools,
+                                        options=options)
+        except (jinja2.TemplateError, ValueError) as e:  # the template refused these messages
+            param = "chat_template_kwargs" if options.kwargs else "messages"
+            raise ApiError(400, f"{param}: the model's chat template failed on this request: {e}",
+                           param=param) from None
 
     async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         await self._check_chars(len(text), "prompt")

@@ -39,7 +39,8 @@ from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, Com
                                             parse_request, usage)
 from kvmesh.cluster.openai_choices import StreamChoices, chosen_sequences, whole_body
 from kvmesh.cluster.openai_echo import echo_for
-from kvmesh.cluster.openai_request import max_tokens_param, prompts_of, sampling_params_with
+from kvmesh.cluster.openai_request import (chat_echo_text, max_tokens_param, prompts_of, response_role,
+                                           sampling_params_with, template_options)
 from kvmesh.cluster.openai_responses import Shaper
 from kvmesh.cluster.openai_sse import SseResponse, sse_body, sse_tool_body
 from kvmesh.cluster import responses_api
@@ -179,7 +180,8 @@ class Ingress(GrpcService, HealthService):
             if isinstance(req, tokenize_api.TokenizeChat):  # rendered as chat renders it
                 messages, _ = render_chat(req.messages, chat_prompt_text(req.messages), None,
                                           self.frontend.tokenizer)
-                ids = await self.frontend.encode_chat(messages)
+                ids = await self.frontend.encode_chat(
+                    messages, None, template_options(req, self.frontend.tokenizer, messages))
             else:
                 ids = await self.frontend.encode_text(req.prompt, req.add_special_tokens)
             info = await self.frontend.model_info()
@@ -379,6 +381,9 @@ class Ingress(GrpcService, HealthService):
             if tools is not None and tools.parses_output and req.stream and req.logprobs:
                 raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are "
                                "not token-aligned); ask without stream", param="logprobs")
+            if tools is not None and tools.parses_output and req.echo:
+                raise ApiError(400, "echo cannot be given with tools the model may call (tool_choice "
+                               "none allows it)", param="echo")
             if tools is not None and (forced := forced_structure(tools)) is not None:
                 if structured is not None:
                     raise ApiError(400, f"tool_choice {tools.choice} constrains the output; "
@@ -396,7 +401,10 @@ class Ingress(GrpcService, HealthService):
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), self.frontend.decode_token,
                             admitted[0].routed.sampling_params.logprobs)
-            echoes = [echo_for(req, kind, prompt.text, one.routed.prompt_token_ids, self.frontend)
+            if kind == "chat":
+                shaper.role = response_role(req)
+            echoes = [echo_for(req, kind, chat_echo_text(req) if kind == "chat" else prompt.text,
+                               one.routed.prompt_token_ids, self.frontend)
                       for prompt, one in zip(prompts, admitted)]
             if req.stream:
                 options = req.stream_options or {}

@@ -75,8 +75,9 @@ class StreamChoices:
         offset = self.offsets.get(delta.index, 0)
         if echo is not None and first and echo.echo:
             echoed = echo.first_chunk(self.scores)
-            echoed["index"] = self.index_base + delta.index
-            out.append(shaper._chunk([echoed], None, self.include_usage))
+            if echoed is not None:
+                echoed["index"] = self.index_base + delta.index
+                out.append(shaper._chunk([echoed], None, self.include_usage))
             offset = len(echo.prompt_text)
         chunk = shaper.delta_chunk(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs,
                                    delta.finish_reason, offset, self.include_usage,

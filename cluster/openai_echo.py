@@ -56,22 +56,26 @@ def vllm_prompt_logprobs(prompt_ids: list[int], scores: PromptLogprobs, decode, 
 
 def echo_for(req, kind: str, prompt_text: str | None, prompt_ids: list[int], frontend) -> "Echo | None":
     """What an OpenAI request asks of its prompt (echo, prompt_logprobs); None when nothing.
-    prompt_text: the prompt as sent when it was text (else its tokens are decoded)."""
+    prompt_text: the prompt as sent when it was text (else its tokens are decoded); on chat, what
+    `echo` puts before the answer (openai_request.chat_echo_text)."""
     echo = bool(getattr(req, "echo", False))
     if not echo and req.prompt_logprobs is None:
         return None
     text = prompt_text if prompt_text is not None else frontend.tokenizer.decode(prompt_ids)
     return Echo(echo, text, list(prompt_ids), frontend.decode_token,
-                getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs)
+                getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs,
+                kind)
 
 
 class Echo:
-    """What one request asked of the prompt: its text echoed (completions), its logprobs."""
+    """What one request asked of the prompt: its text echoed (completions; on chat the final
+    message's content, vLLM's), its logprobs."""
 
     def __init__(self, echo: bool, prompt_text: str, prompt_ids: list[int], decode,
-                 logprobs: int | None, prompt_logprobs: int | None):
+                 logprobs: int | None, prompt_logprobs: int | None, kind: str = "completion"):
         self.echo, self.prompt_text, self.prompt_ids = echo, prompt_text, prompt_ids
         self.decode, self.logprobs, self.prompt_logprobs = decode, logprobs, prompt_logprobs
+        self.kind = kind
 
     def choice_logprobs(self, scores: PromptLogprobs | None, completion_part: dict | None) -> dict | None:
         if not self.echo or self.logprobs is None or scores is None:
@@ -93,6 +97,8 @@ class Echo:
         if kind == "chat":
             if self.prompt_logprobs is not None:
                 body["prompt_logprobs"] = self.vllm_list(scores)
+            if self.echo:
+                choice["message"]["content"] = self.prompt_text + (choice["message"]["content"] or "")
             return body
         choice["logprobs"] = self.choice_logprobs(scores, choice["logprobs"])
         choice["text"] = self.text(choice["text"])
@@ -104,6 +110,9 @@ class Echo:
         """A stream's echoed prompt, as the choice of a chunk sent before the first token."""
         if not self.echo:
             return None
+        if self.kind == "chat":  # vLLM sends it only when there is something to echo
+            return ({"index": 0, "delta": {"content": self.prompt_text}, "logprobs": None, "finish_reason": None}
+                    if self.prompt_text else None)
         choice = {"index": 0, "text": self.prompt_text,
                   "logprobs": self.choice_logprobs(scores, None) if self.logprobs is not None else None,
                   "finish_reason": None}

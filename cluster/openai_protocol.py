@@ -99,6 +99,11 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None  # cluster/tool_calls.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template fields (cluster/openai_request.py template_options)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the final message's content leads the answer when its role is the answer's
 
 
 class CompletionRequest(_Request):

@@ -6,7 +6,41 @@ import dataclasses
 
 from kvmesh.cluster.openai_protocol import ApiError, chat_prompt_text, sampling_params
 from kvmesh.cluster.pipeline import Prompt
-from kvmesh.cluster.tool_calls import render_chat
+from kvmesh.cluster.tool_calls import refuse_special_text, render_chat
+from kvmesh.worker.chat_template import TemplateOptions
+
+
+def template_options(req, tokenizer, messages: list[dict]) -> TemplateOptions:
+    """How a chat request (or /tokenize's) applies the chat template: add_generation_prompt,
+    continue_final_message, chat_template_kwargs; ApiError(400) naming the field of a bad one.
+    A kwarg's value is the template's own text once rendered: it may hold no control token."""
+    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    try:
+        options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, dict(kwargs))
+    except ValueError as e:
+        param = str(e).split(":", 1)[0]
+        raise ApiError(400, str(e), param=param) from None
+    for key, value in kwargs.items():
+        refuse_special_text(tokenizer, value, f"chat_template_kwargs.{key}")
+    if options.continue_final_message and not isinstance(messages[-1].get("content"), str):
+        raise ApiError(400, "continue_final_message: the final message has no text content to continue",
+                       param="continue_final_message")
+    return options
+
+
+def response_role(req) -> str:
+    """The answer's role (vLLM's): the assistant's, or without the generation prompt the final
+    message's (the model continues that turn)."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def chat_echo_text(req) -> str:
+    """What chat's `echo` puts before the answer: the final message's content when its role is
+    the answer's (vLLM's), else nothing."""
+    last = req.messages[-1]
+    if last.role != response_role(req):
+        return ""
+    return chat_prompt_text([last])[0].get("content") or ""
 
 
 def max_tokens_param(req) -> str:
@@ -24,7 +58,8 @@ def prompts_of(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
     if kind == "chat":
         messages, template_tools = render_chat(req.messages, chat_prompt_text(req.messages), tools,
                                                tokenizer)
-        return [Prompt("messages", messages=messages, tools=template_tools)]
+        return [Prompt("messages", messages=messages, tools=template_tools,
+                       template=template_options(req, tokenizer, messages))]
     prompt = req.prompt
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
         return [one_prompt(prompt, "prompt")]

@@ -29,6 +29,7 @@ class Shaper:
         self.decode = decode
         self.top_logprobs = top_logprobs  # None: no logprobs requested
         self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.role = "assistant"  # a chat answer's (openai_request.response_role)
 
     # ---- logprobs ----------------------------------------------------------------------------
 
@@ -71,7 +72,7 @@ class Shaper:
              prompt_tokens: int, cached_tokens: int, stop_reason: str | int | None = None) -> dict:
         """stop_reason (vLLM's): the stop string or stop token id that ended it, else None."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": 0, "message": {"role": self.role, "content": text},
                       "logprobs": self.chat_logprobs(token_ids, logprobs, tops),
                       "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
         else:
@@ -93,7 +94,7 @@ class Shaper:
     def role_chunk(self, include_usage: bool) -> dict | None:
         if self.kind != "chat":
             return None
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+        return self._chunk([{"index": 0, "delta": {"role": self.role, "content": ""},
                              "logprobs": None, "finish_reason": None}], None, include_usage)
 
     def delta_chunk(self, text: str, token_ids, logprobs, tops, reason: str | None,

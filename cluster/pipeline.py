@@ -37,6 +37,7 @@ from kvmesh.cluster.metrics import TokenGaps
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.protocol import TokenDelta
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.chat_template import DEFAULT_OPTIONS, TemplateOptions
 
 FAILED_STREAM_STATUS = 503  # kvmesh_requests_total status of a stream that ended in "error"
 
@@ -50,6 +51,7 @@ class Prompt:
     text: str | None = None
     token_ids: list[int] | None = None
     tools: list[dict] | None = None  # for a chat template that renders tools (cluster/tool_calls.py)
+    template: TemplateOptions = DEFAULT_OPTIONS  # how the chat template is applied
 
 
 @dataclass
@@ -125,7 +127,7 @@ class RequestPipeline:
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.messages is not None:
-            return await self.frontend.encode_chat(prompt.messages, prompt.tools)
+            return await self.frontend.encode_chat(prompt.messages, prompt.tools, prompt.template)
         if prompt.text is not None:
             return await self.frontend.encode_text(prompt.text)
         return list(prompt.token_ids or [])

@@ -1,8 +1,8 @@
 """vLLM's /tokenize and /detokenize request and response shapes.
 
 /tokenize takes a `prompt` (tokenized as /v1/completions tokenizes it) or chat `messages` (as
-/v1/chat/completions does, with the generation prompt), so `count` is the `prompt_tokens` those
-endpoints report for the same input. Unknown fields and values kvmesh does not implement are a 400
+/v1/chat/completions does, with its add_generation_prompt, continue_final_message and
+chat_template_kwargs), so `count` is the `prompt_tokens` those endpoints report for the same input. Unknown fields and values kvmesh does not implement are a 400
 naming them, as on the completions endpoints.
 """
 
@@ -29,7 +29,9 @@ class TokenizeChat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # these three as on chat (openai_request.template_options)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -52,9 +54,6 @@ def parse(body: Any, cls: type[BaseModel]) -> BaseModel:
         message = (f"unknown field {param!r}" if err["type"] == "extra_forbidden"
                    else f"{param}: {err['msg']}")
         raise ApiError(400, message, param=param) from None
-    if isinstance(req, TokenizeChat) and not req.add_generation_prompt:
-        raise ApiError(400, "add_generation_prompt: the chat template is always applied with the "
-                       "generation prompt", param="add_generation_prompt")
     return req
 
 

@@ -146,14 +146,14 @@ def render_chat(messages, texts: list[dict], request: ToolRequest | None,
         else:
             name = getattr(m, "name", None)
             if name is not None:  # the template's own text if it renders it: no control tokens
-                _refuse_special_text(tokenizer, name, f"messages.{i}.name")
+                refuse_special_text(tokenizer, name, f"messages.{i}.name")
                 text = {**text, "name": name}
             out.append(text)
     if native:  # what the template renders as its own text besides the content
-        _refuse_special_text(tokenizer, [[m.get("tool_calls"), m.get("tool_call_id")] for m in out],
+        refuse_special_text(tokenizer, [[m.get("tool_calls"), m.get("tool_call_id")] for m in out],
                              "messages")
         if request is not None:
-            _refuse_special_text(tokenizer, request.tools, "tools")
+            refuse_special_text(tokenizer, request.tools, "tools")
     if request is None:
         return out, None
     if native:
@@ -181,7 +181,7 @@ def _history_call(call, param: str) -> dict:
     return {"id": call.get("id"), "name": fn["name"], "arguments": arguments}
 
 
-def _refuse_special_text(tokenizer, value, param: str) -> None:
+def refuse_special_text(tokenizer, value, param: str) -> None:
     """Text the template renders as its own (not message content) must hold no control token."""
     text = json.dumps(value, ensure_ascii=False)
     specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from kvmesh.config import EngineConfig
 from kvmesh.protocol import EngineRequest, RequestOutput, TokenDelta
 from kvmesh.sampling_params import SamplingParams
-from kvmesh.worker.chat_template import encode_chat
+from kvmesh.worker.chat_template import TemplateOptions, encode_chat
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.parallel_sampling import rank_best_of
 
@@ -51,13 +51,18 @@ class LLM:
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """The prompt ids of a conversation (vLLM's LLM.chat options: the assistant's turn opened,
+        or the final message continued; the template's own variables, e.g. enable_thinking)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                       for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"model {self.engine.model_name!r} has no chat template")
-        return encode_chat(self.tokenizer, messages)  # content is text: no forged turns
+        options = TemplateOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}))
+        return encode_chat(self.tokenizer, messages, options=options)  # content is text: no forged turns
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -75,10 +80,14 @@ class LLM:
             token_lists = [list(ids) for ids in prompt_token_ids]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations; the template options
+        as apply_chat_template's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        token_lists = [self.apply_chat_template(c) for c in conversations]
+        token_lists = [self.apply_chat_template(c, add_generation_prompt, continue_final_message,
+                                                chat_template_kwargs) for c in conversations]
         texts = [self.tokenizer.decode(ids) for ids in token_lists]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 

@@ -114,12 +114,12 @@ ROWS = [
     Row("guided_whitespace_pattern", " ", "refused"),
     Row("structural_tag", "{}", "refused"),
     # ---- vLLM's chat fields ----
-    Row("echo", True, "refused", (CHAT,)),
-    Row("add_generation_prompt", False, "refused", (CHAT,)),
-    Row("continue_final_message", True, "refused", (CHAT,)),
+    Row("echo", True, "check", (CHAT,), base={"add_generation_prompt": False, "continue_final_message": True}),
+    Row("add_generation_prompt", False, "check", (CHAT,)),
+    Row("continue_final_message", True, "check", (CHAT,), base={"add_generation_prompt": False}),
     Row("documents", [{"title": "t", "text": "x"}], "refused", (CHAT,)),
     Row("chat_template", "{{ messages }}", "refused", (CHAT,)),
-    Row("chat_template_kwargs", {"enable_thinking": False}, "refused", (CHAT,)),
+    Row("chat_template_kwargs", {"enable_thinking": False}, "check", (CHAT,)),
     Row("mm_processor_kwargs", {"k": 1}, "refused", (CHAT,)),
     Row("include_reasoning", False, "refused", (CHAT,)),
     # ---- vLLM's completions fields ----

@@ -11,27 +11,61 @@ strings become ordinary text tokens). For content without special-token strings 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
+from typing import Any
+
+# apply_chat_template's own arguments (and the template's own variables): not template kwargs
+RESERVED_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "chat_template", "return_dict",
+                             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                             "return_assistant_tokens_mask"})
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template is applied (vLLM's chat fields of the same names):
+    add_generation_prompt appends the assistant's turn opener; continue_final_message ends the
+    prompt right after the final message's content (no end-of-turn), so the model continues it;
+    kwargs are the template's own variables (e.g. Qwen3's enable_thinking)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt: the "
+                             "final message is continued, not followed by the assistant's turn")
+        for key in self.kwargs:
+            if not isinstance(key, str) or key in RESERVED_KWARGS:
+                raise ValueError(f"chat_template_kwargs.{key}: an argument of the template call itself, "
+                                 "not a template variable")
+
+
+DEFAULT_OPTIONS = TemplateOptions()
 
 
 def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool = False,
-                tools: list[dict] | None = None) -> list[int]:
-    """The prompt ids of `messages` with the generation prompt appended.
+                tools: list[dict] | None = None, options: TemplateOptions = DEFAULT_OPTIONS) -> list[int]:
+    """The prompt ids of `messages`, by default with the generation prompt appended (`options`).
 
     special_tokens_in_content: True tokenizes content as the template's own text would be (the
     unsafe behaviour, for trusted callers that write control tokens on purpose). tools: passed to
     the template as `apply_chat_template(tools=...)` passes them (template text, not content)."""
-    extra = {"tools": tools} if tools else {}
+    extra = {**options.kwargs, **({"tools": tools} if tools else {}),
+             "add_generation_prompt": options.add_generation_prompt}
+    if options.continue_final_message:
+        if not isinstance(messages[-1].get("content"), str):
+            raise ValueError("continue_final_message: the final message needs text content to continue")
+        extra["continue_final_message"] = True
     if special_tokens_in_content:
-        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  **extra))
+        return _ids(tokenizer.apply_chat_template(messages, tokenize=True, **extra))
     # A random marker cannot occur in the content by chance or by a caller's design.
     marker = f"kvmeshcontent{secrets.token_hex(8)}n"
     placeholders = [dict(m, content=f"{marker}{i}{marker}") if isinstance(m.get("content"), str) else m
                     for i, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False,
-                                             **extra)
+    rendered = tokenizer.apply_chat_template(placeholders, tokenize=False, **extra)
     specials = _special_tokens(tokenizer)
     split_specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
     # The text between two of the template's special tokens is tokenized as one piece, content

@@ -142,6 +142,54 @@ def check_messages(url, kind, row):
     assert response["usage"]["prompt_tokens"] != answer(url, kind)["usage"]["prompt_tokens"]
 
 
+# ---- vLLM's chat template fields: against the offline engine's LLM.chat with the same options ----
+
+CONTINUED = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": "The sea is"}]
+_offline = []
+
+
+def offline_chat(messages, **options) -> tuple[str, int]:
+    """(greedy text of 8 tokens, prompt tokens) of kvmesh.LLM.chat on the served model."""
+    from kvmesh import LLM, SamplingParams
+
+    if not _offline:
+        _offline.append(LLM(MODEL, device="cpu"))
+    out = _offline[0].chat(messages, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False, **options)[0]
+    return out.text, len(out.prompt_token_ids)
+
+
+def served_chat(url, messages, **fields) -> tuple[str, int, dict]:
+    response = answer(url, CHAT, messages=messages, **fields)
+    return response["choices"][0]["message"]["content"], response["usage"]["prompt_tokens"], response
+
+
+def check_template_option(url, kind, row):
+    """The prompt the template renders with the option, as LLM.chat renders it, and its answer;
+    /tokenize counts the same prompt."""
+    messages = CONTINUED if row.field == "continue_final_message" else MESSAGES
+    options = {**row.base, row.field: row.value}
+    text, prompt_tokens, _ = served_chat(url, messages, **options)
+    assert (text, prompt_tokens) == offline_chat(messages, **options)
+    assert prompt_tokens != served_chat(url, messages, **{k: v for k, v in row.base.items()
+                                                          if k != "add_generation_prompt"})[1]
+    status, counted = post(url, "/tokenize", {"model": MODEL, "messages": messages, **options})
+    assert status == 200 and counted["count"] == prompt_tokens, counted
+
+
+def check_chat_echo(url, kind, row):
+    """vLLM's: the final message's content leads the answer when it is the answer's role (here
+    the assistant's turn, continued); streamed, it is the first content chunk."""
+    options = {**row.base}
+    text, _, response = served_chat(url, CONTINUED, **options, echo=True)
+    alone = served_chat(url, CONTINUED, **options)[0]
+    assert text == "The sea is" + alone and response["choices"][0]["message"]["role"] == "assistant"
+    status, events = post(url, PATHS[CHAT], body(CHAT, messages=CONTINUED, **options, echo=True, stream=True))
+    contents = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+    assert status == 200 and [c for c in contents if c][0] == "The sea is" and "".join(filter(None, contents)) == text
+    # a final message of another role is not echoed (the answer is the assistant's)
+    assert served_chat(url, MESSAGES, echo=True)[0] == served_chat(url, MESSAGES)[0]
+
+
 def check_n(url, kind, row):
     response = answer(url, kind, n=row.value, temperature=1.0, seed=7)
     assert [c["index"] for c in response["choices"]] == list(range(row.value))
@@ -208,6 +256,8 @@ CHECKS = {
     "guided_grammar": check_structured, "guided_decoding_backend": check_structured,
     "tools": check_tool_call, "tool_choice": check_tool_call, "parallel_tool_calls": check_tool_call,
     "n": check_n, "best_of": check_best_of, "echo": check_echo, "prompt_logprobs": check_prompt_logprobs,
+    ("echo", CHAT): check_chat_echo, "add_generation_prompt": check_template_option,
+    "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
     "stream": check_stream, "stream_options": check_stream_options, "user": check_user,

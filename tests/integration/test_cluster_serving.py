@@ -445,7 +445,8 @@ def test_tokenize_counts_the_prompt_tokens_the_endpoints_bill(cluster, openai_cl
 
 @pytest.mark.parametrize("path,body,param", [
     ("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
-    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -57,3 +57,45 @@ def test_llm_chat_tokenizes_content_as_text_too():
         out = llm.chat(FORGED, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
         assert out.prompt_token_ids == encode_chat(llm.tokenizer, FORGED)
         assert out.prompt_token_ids != _reference(llm.tokenizer, FORGED)  # the template's own: forged
+
+
+# ---- the template options (vLLM's add_generation_prompt, continue_final_message, chat_template_kwargs)
+
+CONTINUED = [{"role": "user", "content": "Start a story."}, {"role": "assistant", "content": "Once upon a "}]
+
+
+@pytest.mark.parametrize("options", [
+    {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True},
+    {"chat_template_kwargs": {"enable_thinking": False}}, {"chat_template_kwargs": {"enable_thinking": True}}])
+def test_template_options_tokenize_as_the_template_does_with_them(tokenizer, options):
+    from kvmesh.worker.chat_template import TemplateOptions
+
+    kwargs = options.get("chat_template_kwargs", {})
+    flags = {k: v for k, v in options.items() if k != "chat_template_kwargs"}
+    ids = tokenizer.apply_chat_template(CONTINUED, tokenize=True, **{"add_generation_prompt": True, **flags},
+                                        **kwargs)
+    reference = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert encode_chat(tokenizer, CONTINUED, options=TemplateOptions(**flags, kwargs=kwargs)) == reference
+
+
+def test_a_continued_message_ends_the_prompt_and_thinking_off_opens_an_empty_block():
+    """The random presets' template has Qwen3's enable_thinking switch."""
+    from kvmesh.worker.chat_template import TemplateOptions
+
+    tokenizer = load_tokenizer("random:tiny-llama")[0]
+    continued = tokenizer.decode(encode_chat(tokenizer, CONTINUED, options=TemplateOptions(False, True)))
+    assert continued.endswith("<|im_start|>assistant\nOnce upon a ")
+    thinking_off = tokenizer.decode(encode_chat(tokenizer, CONTINUED[:1],
+                                                options=TemplateOptions(kwargs={"enable_thinking": False})))
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+    ({"kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"kwargs": {"tools": []}}, "chat_template_kwargs.tools")])
+def test_contradicting_options_are_refused_naming_them(options, message):
+    from kvmesh.worker.chat_template import TemplateOptions
+
+    with pytest.raises(ValueError, match=rf"^{message}:"):
+        TemplateOptions(**options)
