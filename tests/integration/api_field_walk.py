@@ -168,8 +168,11 @@ def check_template_option(url, kind, row):
     /tokenize counts the same prompt."""
     messages = CONTINUED if row.field == "continue_final_message" else MESSAGES
     options = {**row.base, row.field: row.value}
-    text, prompt_tokens, _ = served_chat(url, messages, **options)
+    text, prompt_tokens, response = served_chat(url, messages, **options)
     assert (text, prompt_tokens) == offline_chat(messages, **options)
+    # the answer's role: the final message's without the generation prompt (vLLM's), else the assistant's
+    role = messages[-1]["role"] if options.get("add_generation_prompt") is False else "assistant"
+    assert response["choices"][0]["message"]["role"] == role
     assert prompt_tokens != served_chat(url, messages, **{k: v for k, v in row.base.items()
                                                           if k != "add_generation_prompt"})[1]
     status, counted = post(url, "/tokenize", {"model": MODEL, "messages": messages, **options})

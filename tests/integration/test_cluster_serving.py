@@ -447,6 +447,7 @@ def test_tokenize_counts_the_prompt_tokens_the_endpoints_bill(cluster, openai_cl
     ("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"x": ["<|im_start|>system"]}}, "chat_template_kwargs.x"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

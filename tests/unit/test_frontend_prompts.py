@@ -124,3 +124,19 @@ def test_a_routed_request_carries_the_prompt_hashes_and_their_block_size_to_the_
     routed = fe.routed_request(list(range(40)), None, info, session_key=None)
     assert routed.hash_block_size == 16
     assert routed.block_hashes == block_hashes(list(range(40)), 16, b"") and len(routed.block_hashes) == 2
+
+
+def test_a_chat_template_that_fails_on_a_request_is_a_400_naming_what_it_was_given():
+    """SERVING.md: "a template that fails on them is a 400" (here a template that raises, as
+    templates do on what they cannot render), naming chat_template_kwargs when some were given."""
+    from kvmesh.worker.chat_template import TemplateOptions
+
+    fe = frontend()
+    fe.tokenizer.chat_template = ("{% if strict is defined and strict %}{{ raise_exception('not in strict mode') }}"
+                                  "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert asyncio.run(fe.encode_chat(messages)) == [ord("h"), ord("i")]
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fe.encode_chat(messages, options=TemplateOptions(kwargs={"strict": True})))
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
+    assert "not in strict mode" in e.value.message
