@@ -60,7 +60,6 @@ REFUSED: dict[str, Refused] = {
     "documents": _refused("documents are not supported", {CHAT}),
     "chat_template": _refused("a per-request chat template is not supported", {CHAT}),
     "mm_processor_kwargs": _refused("multimodal input is not supported", {CHAT}),
-    "truncate_prompt_tokens": _refused("truncate_prompt_tokens is not supported"),
     "prompt_embeds": _refused("prompt_embeds is not supported", {COMPLETION}),
     # vLLM's other sampling and output fields
     "allowed_token_ids": _refused("allowed_token_ids is not supported"),
@@ -68,9 +67,6 @@ REFUSED: dict[str, Refused] = {
     "spaces_between_special_tokens": _refused("spaces_between_special_tokens is not supported",
                                               no_op=(None, True)),
     "logits_processors": _refused("logits_processors is not supported"),
-    "return_tokens_as_token_ids": _refused("return_tokens_as_token_ids is not supported",
-                                           no_op=(None, False)),
-    "return_token_ids": _refused("return_token_ids is not supported", no_op=(None, False)),
     "include_reasoning": _refused("reasoning output is not supported", {CHAT}),
     "priority": _refused("priority scheduling is not supported", no_op=(None, 0)),
     "request_id": _refused("request_id is not supported over HTTP (the server names requests)"),

@@ -29,6 +29,7 @@ class GrpcAsk:
 
 
 def read_ask(request: pb.GenerateRequest) -> GrpcAsk:
+    check_template_fields(request)
     ask = GrpcAsk()
     if request.HasField("structured_outputs"):
         ask.structured = Structured(structured_from_proto(request.structured_outputs),
@@ -107,6 +108,37 @@ def chat_messages(request: pb.GenerateRequest, tools: ToolRequest | None,
         for m in request.messages]
     texts = [{"role": m.role, "content": m.content} for m in request.messages]
     return render_chat(messages, texts, tools, tokenizer)
+
+
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def chat_template_options(request: pb.GenerateRequest, tokenizer, messages: list[dict]):
+    """How the chat template is applied to `messages`, as HTTP's chat fields of the same names
+    (openai_request.template_options); chat_template_kwargs arrives as a JSON object's text."""
+    from kvmesh.cluster.openai_request import template_options
+
+    kwargs = None
+    if request.chat_template_kwargs:
+        try:
+            kwargs = json.loads(request.chat_template_kwargs)
+        except ValueError as e:
+            raise ApiError(400, f"chat_template_kwargs: not JSON text ({e})", param="chat_template_kwargs") from None
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "chat_template_kwargs: a JSON object", param="chat_template_kwargs")
+    ask = SimpleNamespace(
+        add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+        continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs)
+    return template_options(ask, tokenizer, messages)
+
+
+def check_template_fields(request: pb.GenerateRequest) -> None:
+    """The chat template fields need messages (a prompt has no template)."""
+    if not request.messages:
+        given = [f for f in TEMPLATE_FIELDS if (request.HasField(f) if f == "add_generation_prompt"
+                                                 else getattr(request, f))]
+        if given:
+            raise ApiError(400, f"{given[0]}: only with messages (a prompt is sent as it is)", param=given[0])
 
 
 def prompt_logprobs_asked(request: pb.GenerateRequest) -> int | None:

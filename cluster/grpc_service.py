@@ -30,7 +30,7 @@ import time
 import grpc
 
 from kvmesh.cluster.auth import bearer_token, grpc_authorization
-from kvmesh.cluster.grpc_fields import (GrpcAsk, ResponseShape, chat_messages,
+from kvmesh.cluster.grpc_fields import (GrpcAsk, ResponseShape, chat_messages, chat_template_options,
                                         prompt_logprobs_asked, read_ask)
 from kvmesh.cluster.openai_protocol import ApiError, new_id
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt
@@ -90,7 +90,8 @@ def generation_request(request: pb.GenerateRequest, arrival: float, engine_id: s
     ask = ask or GrpcAsk()
     if request.messages:
         messages, template_tools = chat_messages(request, ask.tools, tokenizer)
-        prompt = Prompt("messages", messages=messages, tools=template_tools)
+        prompt = Prompt("messages", messages=messages, tools=template_tools,
+                        template=chat_template_options(request, tokenizer, messages))
     elif request.prompt:
         prompt = Prompt("prompt", text=request.prompt)
     else:

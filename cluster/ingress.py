@@ -67,6 +67,11 @@ logger = logging.getLogger("kvmesh.cluster")
 BACKGROUND_TOUCH_S = 1.0  # how often a background response tells the store it runs (and hears of a cancel)
 
 
+def token_id_name(token_id: int) -> str:
+    """A logprob token named by its id (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}"
+
+
 def _store_unavailable(e: Exception) -> ApiError:
     return ApiError(503, f"the response store did not answer, so the response was not stored: {e!r}",
                     type="server_error", code="response_store_unavailable", retry_after_s=1)
@@ -381,6 +386,9 @@ class Ingress(GrpcService, HealthService):
             if tools is not None and tools.parses_output and req.stream and req.logprobs:
                 raise ApiError(400, "logprobs cannot be streamed with tools (tool-call deltas are "
                                "not token-aligned); ask without stream", param="logprobs")
+            if tools is not None and tools.parses_output and req.stream and req.return_token_ids:
+                raise ApiError(400, "return_token_ids cannot be streamed with tools (tool-call deltas "
+                               "are not token-aligned); ask without stream", param="return_token_ids")
             if tools is not None and tools.parses_output and req.echo:
                 raise ApiError(400, "echo cannot be given with tools the model may call (tool_choice "
                                "none allows it)", param="echo")
@@ -398,13 +406,15 @@ class Ingress(GrpcService, HealthService):
                 max_tokens_param=max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
                 arrival=arrival)) for prompt in prompts]
+            token_decode = token_id_name if req.return_tokens_as_token_ids else self.frontend.decode_token
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
-                            self.frontend.model_name, now(), self.frontend.decode_token,
+                            self.frontend.model_name, now(), token_decode,
                             admitted[0].routed.sampling_params.logprobs)
+            shaper.return_token_ids = bool(req.return_token_ids)
             if kind == "chat":
                 shaper.role = response_role(req)
             echoes = [echo_for(req, kind, chat_echo_text(req) if kind == "chat" else prompt.text,
-                               one.routed.prompt_token_ids, self.frontend)
+                               one.routed.prompt_token_ids, self.frontend, token_decode)
                       for prompt, one in zip(prompts, admitted)]
             if req.stream:
                 options = req.stream_options or {}
@@ -418,8 +428,9 @@ class Ingress(GrpcService, HealthService):
                 elif tools is not None:  # chat: one prompt
                     body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n)
                 else:
-                    choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n)
-                               for i, echo in enumerate(echoes)]
+                    choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n,
+                                             prompt_ids=one.routed.prompt_token_ids)
+                               for i, (echo, one) in enumerate(zip(echoes, admitted))]
                     body = sse_body(streams, choices, shaper, include_usage,
                                 bool(options.get("continuous_usage_stats")))
                 return SseResponse(streams, body, media_type="text/event-stream",
@@ -451,7 +462,7 @@ class Ingress(GrpcService, HealthService):
         body = _combined([
             whole_body(shaper, result, one.routed.sampling_params, kind, echo,
                        result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
-                       result.last.num_cached_tokens)
+                       result.last.num_cached_tokens, one.routed.prompt_token_ids)
             for one, result, echo in zip(admitted, results, echoes)])
         if tools is not None and tools.parses_output:  # each choice parsed on its own
             sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)

@@ -26,8 +26,10 @@ def chosen_sequences(result: Collected, params: SamplingParams) -> list[Collecte
 
 
 def whole_body(shaper: Shaper, result: Collected, params: SamplingParams, kind: str, echo,
-               prompt_tokens: int, cached_tokens: int) -> dict:
-    """A whole response: one choice per returned sequence (n = 1: the one), echo applied."""
+               prompt_tokens: int, cached_tokens: int, prompt_ids: list[int] | None = None) -> dict:
+    """A whole response: one choice per returned sequence (n = 1: the one), echo applied; with
+    return_token_ids the prompt's ids too (`prompt_ids`: on a chat response, on each completion
+    choice, as vLLM puts them)."""
     body, choices = None, []
     for index, sequence in enumerate(chosen_sequences(result, params)):
         reason = sequence.last.finish_reason if sequence.last is not None else None
@@ -38,8 +40,12 @@ def whole_body(shaper: Shaper, result: Collected, params: SamplingParams, kind: 
             body = echo.apply(body, kind, result.prompt_logprobs)
         choice = body["choices"][0]
         choice["index"] = index
+        if shaper.return_token_ids and kind != "chat":
+            choice["prompt_token_ids"] = list(prompt_ids or [])
         choices.append(choice)
     body["choices"] = choices
+    if shaper.return_token_ids and kind == "chat":
+        body["prompt_token_ids"] = list(prompt_ids or [])
     generated = sum(len(s.token_ids) for s in result.sequences.values())
     body["usage"] = usage(prompt_tokens, generated, cached_tokens)
     return body
@@ -51,10 +57,13 @@ class StreamChoices:
     choice 0's first chunk (at the top of a chat chunk, in the choice of a completion's)."""
 
     def __init__(self, shaper: Shaper, include_usage: bool, echo, num_choices: int,
-                 index_base: int = 0):
-        """`index_base`: the first choice's index (prompt i of several: i * n, as vLLM)."""
+                 index_base: int = 0, prompt_ids: list[int] | None = None):
+        """`index_base`: the first choice's index (prompt i of several: i * n, as vLLM).
+        `prompt_ids`: with return_token_ids, on the stream's first chunk (chat: its first role
+        chunk) or each completion choice's first chunk."""
         self.shaper, self.include_usage, self.echo = shaper, include_usage, echo
         self.num_choices, self.index_base = num_choices, index_base
+        self.prompt_ids = list(prompt_ids or [])
         self.offsets: dict[int, int] = {}  # text sent so far per choice (completions' text_offset)
         self.scores = None  # the prompt's logprobs: on the request's first delta with a token
 
@@ -64,6 +73,8 @@ class StreamChoices:
             role = self.shaper.role_chunk(self.include_usage)
             if role is not None:
                 role["choices"][0]["index"] = self.index_base + index
+                if self.shaper.return_token_ids and not chunks and self.index_base == 0:
+                    role["prompt_token_ids"] = self.prompt_ids
                 chunks.append(role)
         return chunks
 
@@ -89,5 +100,7 @@ class StreamChoices:
             else:
                 chunk["choices"][0]["prompt_logprobs"] = echo.vllm_list(self.scores)
         out.append(chunk)
+        if first and shaper.return_token_ids and shaper.kind != "chat":  # on the choice's first chunk
+            out[0]["choices"][0]["prompt_token_ids"] = self.prompt_ids
         self.offsets[delta.index] = offset + len(delta.text)
         return out

@@ -54,17 +54,21 @@ def vllm_prompt_logprobs(prompt_ids: list[int], scores: PromptLogprobs, decode, 
     return out
 
 
-def echo_for(req, kind: str, prompt_text: str | None, prompt_ids: list[int], frontend) -> "Echo | None":
+def echo_for(req, kind: str, prompt_text: str | None, prompt_ids: list[int], frontend,
+             token_decode=None) -> "Echo | None":
     """What an OpenAI request asks of its prompt (echo, prompt_logprobs); None when nothing.
     prompt_text: the prompt as sent when it was text (else its tokens are decoded); on chat, what
-    `echo` puts before the answer (openai_request.chat_echo_text)."""
+    `echo` puts before the answer (openai_request.chat_echo_text). token_decode: how an echoed
+    prompt token is named in the logprobs (return_tokens_as_token_ids: "token_id:N")."""
     echo = bool(getattr(req, "echo", False))
     if not echo and req.prompt_logprobs is None:
         return None
     text = prompt_text if prompt_text is not None else frontend.tokenizer.decode(prompt_ids)
-    return Echo(echo, text, list(prompt_ids), frontend.decode_token,
-                getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs,
-                kind)
+    echoed = Echo(echo, text, list(prompt_ids), token_decode or frontend.decode_token,
+                  getattr(req, "logprobs", None) if kind == "completion" else None, req.prompt_logprobs,
+                  kind)
+    echoed.text_decode = frontend.decode_token  # prompt_logprobs' decoded_token: the text
+    return echoed
 
 
 class Echo:
@@ -76,6 +80,7 @@ class Echo:
         self.echo, self.prompt_text, self.prompt_ids = echo, prompt_text, prompt_ids
         self.decode, self.logprobs, self.prompt_logprobs = decode, logprobs, prompt_logprobs
         self.kind = kind
+        self.text_decode = decode
 
     def choice_logprobs(self, scores: PromptLogprobs | None, completion_part: dict | None) -> dict | None:
         if not self.echo or self.logprobs is None or scores is None:
@@ -89,7 +94,7 @@ class Echo:
     def vllm_list(self, scores: PromptLogprobs | None) -> list | None:
         if self.prompt_logprobs is None or scores is None:
             return None
-        return vllm_prompt_logprobs(self.prompt_ids, scores, self.decode, self.prompt_logprobs)
+        return vllm_prompt_logprobs(self.prompt_ids, scores, self.text_decode, self.prompt_logprobs)
 
     def apply(self, body: dict, kind: str, scores: PromptLogprobs | None) -> dict:
         """A whole (non-streaming) response body with the prompt echoed and scored."""

@@ -72,6 +72,12 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's output options (cluster/openai_responses.py Shaper): the prompt's and each choice's
+    # token ids beside the text; logprob tokens as "token_id:N"
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: only the prompt's last k tokens (-1: as many as the server takes); pipeline.Prompt
+    truncate_prompt_tokens: int | None = None
 
 
 class ChatMessage(BaseModel):

@@ -59,22 +59,31 @@ def prompts_of(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
         messages, template_tools = render_chat(req.messages, chat_prompt_text(req.messages), tools,
                                                tokenizer)
         return [Prompt("messages", messages=messages, tools=template_tools,
-                       template=template_options(req, tokenizer, messages))]
-    prompt = req.prompt
+                       template=template_options(req, tokenizer, messages), truncate=truncation(req))]
+    prompt, truncate = req.prompt, truncation(req)
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-        return [one_prompt(prompt, "prompt")]
+        return [one_prompt(prompt, "prompt", truncate)]
     if len(prompt) > MAX_PROMPTS_PER_REQUEST:
         raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; the limit is "
                        f"{MAX_PROMPTS_PER_REQUEST}", param="prompt")
     if len(prompt) == 1:
-        return [one_prompt(prompt[0], "prompt")]
-    return [one_prompt(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+        return [one_prompt(prompt[0], "prompt", truncate)]
+    return [one_prompt(p, f"prompt.{i}", truncate) for i, p in enumerate(prompt)]
 
 
-def one_prompt(prompt, param: str) -> Prompt:
+def truncation(req) -> int | None:
+    """truncate_prompt_tokens (vLLM's): None, -1, or k >= 1 last tokens kept."""
+    k = req.truncate_prompt_tokens
+    if k is not None and k != -1 and k < 1:
+        raise ApiError(400, "truncate_prompt_tokens: -1 (as many as the server takes) or at least 1",
+                       param="truncate_prompt_tokens")
+    return k
+
+
+def one_prompt(prompt, param: str, truncate: int | None = None) -> Prompt:
     if isinstance(prompt, str):
-        return Prompt(param, text=prompt)
-    return Prompt(param, token_ids=list(prompt))
+        return Prompt(param, text=prompt, truncate=truncate)
+    return Prompt(param, token_ids=list(prompt), truncate=truncate)
 
 
 def sampling_params_with(req, structured, remaining_context: int):

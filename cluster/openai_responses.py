@@ -30,6 +30,7 @@ class Shaper:
         self.top_logprobs = top_logprobs  # None: no logprobs requested
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.role = "assistant"  # a chat answer's (openai_request.response_role)
+        self.return_token_ids = False  # vLLM's: token_ids on each choice (and chunk), prompt_token_ids
 
     # ---- logprobs ----------------------------------------------------------------------------
 
@@ -79,6 +80,8 @@ class Shaper:
             choice = {"index": 0, "text": text,
                       "logprobs": self._completion_logprobs(token_ids, logprobs, tops, 0),
                       "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
 
@@ -112,6 +115,8 @@ class Shaper:
                       "logprobs": self._completion_logprobs(token_ids, logprobs, tops, text_offset),
                       "finish_reason": finish_reason(reason)}
         choice["stop_reason"] = stop_reason
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
         return self._chunk([choice], usage_so_far, include_usage)
 
     def choice_chunk(self, delta: dict, reason: str | None, include_usage: bool,

@@ -52,6 +52,9 @@ class Prompt:
     token_ids: list[int] | None = None
     tools: list[dict] | None = None  # for a chat template that renders tools (cluster/tool_calls.py)
     template: TemplateOptions = DEFAULT_OPTIONS  # how the chat template is applied
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens once tokenized (-1: as
+    # many as the server takes, limits.max_prompt_tokens or max_model_len - 1)
+    truncate: int | None = None
 
 
 @dataclass
@@ -109,6 +112,8 @@ class RequestPipeline:
         fe, prompt = self.frontend, request.prompt
         fe.check_model(request.model)
         prompt_ids = await self._prompt_ids(prompt)
+        if prompt.truncate is not None:
+            prompt_ids = prompt_ids[-await self._kept_tokens(prompt.truncate):]
         self.limits.check_prompt(len(prompt_ids), prompt.param)
         info = await fe.check_prompt(prompt_ids, prompt.param)
         context_left = info.max_model_len - len(prompt_ids)
@@ -124,6 +129,17 @@ class RequestPipeline:
         routed = fe.routed_request(prompt_ids, params, info, request.session_key,
                                    request_id=request.request_id, arrival=request.arrival)
         return Admitted(routed, prompt.param)
+
+    async def _kept_tokens(self, truncate: int) -> int:
+        longest = (await self.frontend.model_info()).max_model_len - 1
+        if self.limits.max_prompt_tokens is not None:
+            longest = min(longest, self.limits.max_prompt_tokens)
+        if truncate == -1:
+            return longest
+        if truncate > longest:
+            raise ApiError(400, f"truncate_prompt_tokens is {truncate}; a prompt may have at most {longest} "
+                           "tokens here", param="truncate_prompt_tokens")
+        return truncate
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.messages is not None:

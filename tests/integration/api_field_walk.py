@@ -193,6 +193,65 @@ def check_chat_echo(url, kind, row):
     assert served_chat(url, MESSAGES, echo=True)[0] == served_chat(url, MESSAGES)[0]
 
 
+def check_return_token_ids(url, kind, row):
+    """vLLM's: the prompt's ids (chat: on the response; completions: on each choice) and each
+    choice's generated ids, whole and streamed (the prompt's on the first chunk only)."""
+    response = answer(url, kind, return_token_ids=True, max_tokens=6, ignore_eos=True)
+    choice = response["choices"][0]
+    prompt_ids = response["prompt_token_ids"] if kind == CHAT else choice["prompt_token_ids"]
+    if kind == CHAT:
+        status, counted = post(url, "/tokenize", {"model": MODEL, "messages": MESSAGES})
+        assert status == 200 and prompt_ids == counted["tokens"]
+    else:
+        assert prompt_ids == PROMPT_IDS
+    assert len(choice["token_ids"]) == response["usage"]["completion_tokens"] == 6
+    plain = answer(url, kind, max_tokens=6, ignore_eos=True)
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    status, events = post(url, PATHS[kind], body(kind, return_token_ids=True, max_tokens=6, ignore_eos=True,
+                                                  stream=True))
+    assert status == 200
+    first = events[0] if kind == CHAT else events[0]["choices"][0]
+    assert first["prompt_token_ids"] == prompt_ids
+    later = events[1:] if kind == CHAT else [e["choices"][0] for e in events[1:]]
+    assert all("prompt_token_ids" not in e for e in later)
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == choice["token_ids"]
+
+
+def check_tokens_as_token_ids(url, kind, row):
+    """vLLM's: with logprobs, each token (and each alternative) named "token_id:N"; the ids are
+    those return_token_ids gives."""
+    logprobs = {"logprobs": True, "top_logprobs": 2} if kind == CHAT else {"logprobs": 2}
+    response = answer(url, kind, return_tokens_as_token_ids=True, return_token_ids=True, **logprobs)
+    choice = response["choices"][0]
+    if kind == CHAT:
+        tokens = [e["token"] for e in choice["logprobs"]["content"]]
+        alternatives = [t["token"] for e in choice["logprobs"]["content"] for t in e["top_logprobs"]]
+    else:
+        tokens = choice["logprobs"]["tokens"]
+        alternatives = [t for top in choice["logprobs"]["top_logprobs"] for t in top]
+    assert tokens == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert alternatives and all(re.fullmatch(r"token_id:\d+", t) for t in alternatives)
+
+
+def check_truncate_prompt_tokens(url, kind, row):
+    """vLLM's: the prompt's last k tokens only, as a request sending just those (completions:
+    the ids; chat: the rendered prompt's tail, sent as ids)."""
+    response = answer(url, kind, truncate_prompt_tokens=row.value, return_token_ids=True)
+    tail = (response["prompt_token_ids"] if kind == CHAT else response["choices"][0]["prompt_token_ids"])
+    assert response["usage"]["prompt_tokens"] == row.value == len(tail)
+    full = answer(url, kind, return_token_ids=True)
+    full_ids = full["prompt_token_ids"] if kind == CHAT else full["choices"][0]["prompt_token_ids"]
+    assert tail == full_ids[-row.value:]
+    same = answer(url, "completion", prompt=tail)
+    assert outcome(response, kind)[0] == outcome(same, "completion")[0]
+    for bad in (0, -2, 10 ** 7):  # above the longest prompt the server takes
+        status, err = post(url, PATHS[kind], body(kind, truncate_prompt_tokens=bad))
+        assert (status, err["error"]["param"]) == (400, "truncate_prompt_tokens"), (bad, err)
+    # -1: as many as the server takes; this prompt is shorter, so all of it
+    assert answer(url, kind, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == len(full_ids)
+
+
 def check_n(url, kind, row):
     response = answer(url, kind, n=row.value, temperature=1.0, seed=7)
     assert [c["index"] for c in response["choices"]] == list(range(row.value))
@@ -259,7 +318,8 @@ CHECKS = {
     "guided_grammar": check_structured, "guided_decoding_backend": check_structured,
     "tools": check_tool_call, "tool_choice": check_tool_call, "parallel_tool_calls": check_tool_call,
     "n": check_n, "best_of": check_best_of, "echo": check_echo, "prompt_logprobs": check_prompt_logprobs,
-    ("echo", CHAT): check_chat_echo, "add_generation_prompt": check_template_option,
+    ("echo", CHAT): check_chat_echo, "return_token_ids": check_return_token_ids,
+    "return_tokens_as_token_ids": check_tokens_as_token_ids, "truncate_prompt_tokens": check_truncate_prompt_tokens, "add_generation_prompt": check_template_option,
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,

@@ -272,6 +272,34 @@ def test_malformed_json_is_a_400(cluster):
     assert e.value.code == 400
 
 
+@pytest.mark.parametrize("options", [
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"chat_template_kwargs": {"enable_thinking": False}}])
+def test_grpc_takes_the_chat_template_fields_as_http_does(cluster, openai_client, options):
+    """SERVING.md: add_generation_prompt, continue_final_message and chat_template_kwargs (JSON
+    text on gRPC) give the prompt and the answer HTTP's chat gives."""
+    messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "about the"}]
+    chat = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 extra_body=options)
+    grpc_options = {**options, "chat_template_kwargs": json.dumps(options["chat_template_kwargs"])} if (
+        "chat_template_kwargs" in options) else options
+    msgs = list(grpc_stream(cluster.grpc_target, messages=messages, max_tokens=8, temperature=0, **grpc_options))
+    assert "".join(m.text for m in msgs) == chat.choices[0].message.content
+    assert msgs[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"messages": MESSAGES, "chat_template_kwargs": "{not json"}, "chat_template_kwargs"),
+    ({"messages": MESSAGES, "chat_template_kwargs": "[1]"}, "chat_template_kwargs"),
+    ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+    ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt"),  # no template without messages
+    ({"prompt": "hi", "chat_template_kwargs": "{}"}, "chat_template_kwargs")])
+def test_grpc_chat_template_fields_that_cannot_be_honoured_are_invalid_argument(cluster, fields, param):
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_stream(cluster.grpc_target, max_tokens=2, **fields))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(param)
+
+
 def test_grpc_errors_have_status_codes(cluster):
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_stream(cluster.grpc_target, prompt="hi", temperature=-2.0))
