@@ -70,7 +70,6 @@ REFUSED: dict[str, Refused] = {
     "include_reasoning": _refused("reasoning output is not supported", {CHAT}),
     "priority": _refused("priority scheduling is not supported", no_op=(None, 0)),
     "request_id": _refused("request_id is not supported over HTTP (the server names requests)"),
-    "cache_salt": _refused("cache_salt is not supported"),
     "kv_transfer_params": _refused("KV transfer is not supported"),
     "vllm_xargs": _refused("vllm_xargs is not supported"),
 }

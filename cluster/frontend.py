@@ -22,7 +22,7 @@ from kvmesh.cluster.generation import MAX_ATTEMPTS, WORKER_GONE
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.cluster.metrics import IngressMetrics
 from kvmesh.cluster.openai_protocol import ApiError, new_id
-from kvmesh.hashing import block_hashes
+from kvmesh.hashing import block_hashes, tenant_salt
 from kvmesh.protocol import PromptSizeError, TokenDelta, check_prompt_size
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.serve_config import ServeConfig
@@ -185,13 +185,13 @@ class Frontend:
 
     def routed_request(self, prompt_ids: list[int], params: SamplingParams, info: ModelInfo,
                        session_key: str | None, request_id: str | None = None,
-                       arrival: float | None = None) -> RoutedRequest:
+                       arrival: float | None = None, cache_salt: str | None = None) -> RoutedRequest:
         return RoutedRequest(
             request_id=request_id or new_id("req"), prompt_token_ids=prompt_ids,
             sampling_params=params,
-            block_hashes=block_hashes(prompt_ids, info.block_size, info.hash_salt),
+            block_hashes=block_hashes(prompt_ids, info.block_size, tenant_salt(info.hash_salt, cache_salt)),
             hash_block_size=info.block_size,
-            session_key=session_key, arrival_time=arrival or time.time())
+            session_key=session_key, arrival_time=arrival or time.time(), cache_salt=cache_salt or None)
 
     # ---- structured outputs ------------------------------------------------------------------
 

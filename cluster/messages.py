@@ -21,6 +21,7 @@ class RoutedRequest:
     arrival_time: float = 0.0
     attempt: int = 0  # retries after a worker died before producing a token
     avoid_workers: list[str] = field(default_factory=list)  # workers whose engine died under this request
+    cache_salt: str | None = None  # vLLM's: block_hashes are salted with it too (hashing.tenant_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -78,6 +78,9 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: only the prompt's last k tokens (-1: as many as the server takes); pipeline.Prompt
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt's cached blocks are shared only with requests of the same salt
+    # (multi-tenant isolation: another tenant cannot time a cache hit on your prompt)
+    cache_salt: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -133,6 +136,9 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
         raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
     check_choices(body, req)
     _check_stream_options(req)
+    if req.cache_salt is not None and not req.cache_salt:
+        raise ApiError(400, "cache_salt: an empty salt; leave it out or give a non-empty string",
+                       param="cache_salt")
     return req
 
 

@@ -73,6 +73,7 @@ class GenerationRequest:
     session_key: str | None = None
     request_id: str | None = None  # the server's name for it; None: a new one
     arrival: float = field(default_factory=time.time)
+    cache_salt: str | None = None  # vLLM's: shares cached blocks only with the same salt
 
 
 @dataclass
@@ -127,7 +128,8 @@ class RequestPipeline:
                            f"{context_left} tokens of context are left after the prompt",
                            param=request.max_tokens_param)
         routed = fe.routed_request(prompt_ids, params, info, request.session_key,
-                                   request_id=request.request_id, arrival=request.arrival)
+                                   request_id=request.request_id, arrival=request.arrival,
+                                   cache_salt=request.cache_salt)
         return Admitted(routed, prompt.param)
 
     async def _kept_tokens(self, truncate: int) -> int:

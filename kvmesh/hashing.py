@@ -19,6 +19,14 @@ def root_hash(salt: bytes = b"") -> int:
     return xxhash.xxh3_64_intdigest(b"kvmesh/v1\x00" + salt)
 
 
+def tenant_salt(model_salt: bytes, cache_salt: str | None) -> bytes:
+    """The salt of a request's chain: the model's, and vLLM's per-request `cache_salt` when given,
+    so requests of different salts never share a cached block (nor learn of one by its speed)."""
+    if not cache_salt:
+        return model_salt
+    return model_salt + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")
+
+
 def hash_block(parent_hash: int, block_token_ids: Sequence[int]) -> int:
     """Hash of one full block given the hash of the block before it (or root_hash for the first)."""
     payload = parent_hash.to_bytes(8, "little") + np.asarray(block_token_ids, _INT32_LE).tobytes()

@@ -97,6 +97,9 @@ class EngineRequest:
     # itself only when they are absent (offline use).
     block_hashes: list[int] | None = None
     hash_block_size: int | None = None
+    # vLLM's cache_salt: the request's blocks are hashed under it too (hashing.tenant_salt), so it
+    # shares cached blocks only with requests of the same salt
+    cache_salt: str | None = None
 
 
 class PromptSizeError(ValueError):

@@ -100,7 +100,7 @@ ROWS = [
     Row("return_token_ids", True, "check"),
     Row("priority", 1, "refused"),
     Row("request_id", "mine", "refused"),
-    Row("cache_salt", "salt", "refused"),
+    Row("cache_salt", "salt", "check"),
     Row("kv_transfer_params", {"k": 1}, "refused"),
     Row("vllm_xargs", {"k": 1}, "refused"),
     Row("add_special_tokens", True, "refused"),

@@ -10,7 +10,7 @@ import time
 import torch
 
 from kvmesh.config import EngineConfig
-from kvmesh.hashing import model_salt
+from kvmesh.hashing import model_salt, tenant_salt
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.protocol import (EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad,
                              check_prompt_size)
@@ -189,7 +189,8 @@ class Engine:
 
     def _new_sequence(self, request: EngineRequest, index: int) -> Request:
         ids, params = request.prompt_token_ids, sequence_params(request.sampling_params, index)
-        req = Request(request.request_id, ids, params, self.block_size, self.hash_salt,
+        req = Request(request.request_id, ids, params, self.block_size,
+                      tenant_salt(self.hash_salt, request.cache_salt),
                       request.arrival_time or time.time(), request.prompt, request.block_hashes)
         req.index = index
         if params.seed is not None:

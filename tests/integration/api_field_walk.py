@@ -252,6 +252,26 @@ def check_truncate_prompt_tokens(url, kind, row):
     assert answer(url, kind, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == len(full_ids)
 
 
+def check_cache_salt(url, kind, row):
+    """vLLM's: a prompt's cached blocks are shared only with requests of the same salt (the
+    cluster routes on them too, so a repeat lands on the worker holding them)."""
+    import uuid
+
+    long_prompt = {"prompt": "salted " * 40} if kind != CHAT else {"messages": [{"role": "user", "content": "salted " * 40}]}
+    salt = f"{row.value}-{uuid.uuid4().hex}"
+
+    def cached(**fields) -> int:
+        usage = answer(url, kind, max_tokens=1, **long_prompt, **fields)["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    cached(cache_salt=salt)  # the first: computes and caches its blocks under the salt
+    assert cached(cache_salt=salt) > 0  # the same salt: a hit
+    assert cached(cache_salt=salt + "-other") == 0  # another salt: none
+    assert cached() == 0  # nor a request without one
+    status, err = post(url, PATHS[kind], body(kind, cache_salt=""))
+    assert (status, err["error"]["param"]) == (400, "cache_salt")
+
+
 def check_n(url, kind, row):
     response = answer(url, kind, n=row.value, temperature=1.0, seed=7)
     assert [c["index"] for c in response["choices"]] == list(range(row.value))
@@ -319,7 +339,8 @@ CHECKS = {
     "tools": check_tool_call, "tool_choice": check_tool_call, "parallel_tool_calls": check_tool_call,
     "n": check_n, "best_of": check_best_of, "echo": check_echo, "prompt_logprobs": check_prompt_logprobs,
     ("echo", CHAT): check_chat_echo, "return_token_ids": check_return_token_ids,
-    "return_tokens_as_token_ids": check_tokens_as_token_ids, "truncate_prompt_tokens": check_truncate_prompt_tokens, "add_generation_prompt": check_template_option,
+    "return_tokens_as_token_ids": check_tokens_as_token_ids, "truncate_prompt_tokens": check_truncate_prompt_tokens,
+    "cache_salt": check_cache_salt, "add_generation_prompt": check_template_option,
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
