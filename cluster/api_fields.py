@@ -62,7 +62,6 @@ REFUSED: dict[str, Refused] = {
     "mm_processor_kwargs": _refused("multimodal input is not supported", {CHAT}),
     "prompt_embeds": _refused("prompt_embeds is not supported", {COMPLETION}),
     # vLLM's other sampling and output fields
-    "allowed_token_ids": _refused("allowed_token_ids is not supported"),
     "bad_words": _refused("bad_words is not supported", no_op=(None, [])),
     "spaces_between_special_tokens": _refused("spaces_between_special_tokens is not supported",
                                               no_op=(None, True)),

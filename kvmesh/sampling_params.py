@@ -41,6 +41,8 @@ class SamplingParams:
     # skip_special_tokens drops special tokens from the output text.
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids can be sampled (every other logit is -inf)
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # The output must match this (JSON schema, regex, choice, grammar): the sampler masks every
@@ -51,6 +53,7 @@ class SamplingParams:
     MAX_STOP_STRINGS = 64
     MAX_STOP_TOKEN_IDS = 64
     MAX_LOGIT_BIAS = 300
+    MAX_ALLOWED_TOKEN_IDS = 1 << 18
     MAX_STOP_STRING_CHARS = 512
     MAX_LOGPROBS = 20
 
@@ -104,6 +107,14 @@ class SamplingParams:
                     fail("logit_bias", "keyed by non-negative token ids", t)
                 if not _is_number(bias) or not -100.0 <= bias <= 100.0:
                     fail("logit_bias", "values in [-100, 100]", bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not 0 < len(ids) <= self.MAX_ALLOWED_TOKEN_IDS:
+                fail("allowed_token_ids", f"a non-empty list of at most {self.MAX_ALLOWED_TOKEN_IDS} token ids",
+                     f"{len(ids) if isinstance(ids, list) else type(ids).__name__}")
+            for t in ids:
+                if not _is_int(t) or t < 0:
+                    fail("allowed_token_ids", "non-negative token ids", t)
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a boolean", getattr(self, name))

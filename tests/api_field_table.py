@@ -93,7 +93,7 @@ ROWS = [
     Row("length_penalty", 0.5, "refused"),
     Row("spaces_between_special_tokens", False, "refused"),
     Row("truncate_prompt_tokens", 4, "check"),
-    Row("allowed_token_ids", [1, 2], "refused"),
+    Row("allowed_token_ids", [A, 66], "sampling"),
     Row("bad_words", ["x"], "refused"),
     Row("logits_processors", ["x"], "refused"),
     Row("return_tokens_as_token_ids", True, "check"),

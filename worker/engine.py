@@ -154,7 +154,8 @@ class Engine:
                              f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
         params = request.sampling_params
         for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", list(params.logit_bias or ()))):
+                          ("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} must be token ids in [0, {vocab}), got {max(ids)}")
 

@@ -1,5 +1,5 @@
-"""Sampling: logit_bias and min_tokens, then penalties (vLLM's order), temperature, top-k, top-p,
-min-p, per-request seeds, logprobs.
+"""Sampling: allowed_token_ids, logit_bias and min_tokens, then penalties (vLLM's order),
+temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 The batch is sampled with tensor operations and one host sync (the final .tolist()). A seeded
 request draws its randomness from its own generator, so its output does not depend on what else is
@@ -47,10 +47,12 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 
 def apply_bias_and_min_tokens(logits: torch.Tensor, requests, eos_token_ids) -> torch.Tensor:
-    """logit_bias added to each row's logits; a row with fewer than min_tokens output tokens cannot
-    sample its stop_token_ids or EOS (unless ignore_eos). logits [N, V] float32, changed in place
-    with one scatter each, on the logits' device."""
+    """A row with allowed_token_ids keeps only those logits; logit_bias added to each row's logits;
+    a row with fewer than min_tokens output tokens cannot sample its stop_token_ids or EOS (unless
+    ignore_eos). logits [N, V] float32, changed in place with one scatter each, on the logits'
+    device."""
     vocab = logits.shape[-1]
+    _keep_allowed(logits, requests)
     rows, cols, values, masked_rows, masked_cols = [], [], [], [], []
     for i, req in enumerate(requests):
         params = req.sampling_params
@@ -72,6 +74,24 @@ def apply_bias_and_min_tokens(logits: torch.Tensor, requests, eos_token_ids) -> 
                            to_device(masked_cols, torch.long, device)),
                           torch.tensor(float("-inf"), device=device))
     return logits
+
+
+def _keep_allowed(logits: torch.Tensor, requests) -> None:
+    """Rows with allowed_token_ids: every other logit -inf."""
+    rows = [(i, req.sampling_params.allowed_token_ids) for i, req in enumerate(requests)
+            if req.sampling_params.allowed_token_ids]
+    if not rows:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    keep_rows, keep_cols = [], []
+    for j, (_, ids) in enumerate(rows):
+        for token_id in ids:
+            if token_id < vocab:
+                keep_rows.append(j), keep_cols.append(token_id)
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    keep[to_device(keep_rows, torch.long, device), to_device(keep_cols, torch.long, device)] = True
+    index = to_device([i for i, _ in rows], torch.long, device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -133,6 +153,7 @@ def _temperature_only(p: SamplingParams, request) -> bool:
     """Whether a row needs nothing of the general path but its temperature (the fused kernel)."""
     return (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.uses_penalties
             and not p.logit_bias and not p.min_tokens and not p.needs_sampled_logprobs
+            and not p.allowed_token_ids
             and getattr(request, "generator", None) is None and getattr(request, "grammar", None) is None)
 
 
@@ -167,7 +188,7 @@ class Sampler:
             tokens = sample_from_logits(logits, inv_temperature, self._step_seeds.getrandbits(31))
             return PendingSample(requests, tokens, None, None, None)
         logits = logits.float()
-        if any(p.logit_bias or p.min_tokens for p in params):  # before penalties, as vLLM
+        if any(p.logit_bias or p.min_tokens or p.allowed_token_ids for p in params):  # before penalties, as vLLM
             logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
         for i, req in enumerate(requests):
             if params[i].uses_penalties:

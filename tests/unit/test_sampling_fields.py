@@ -112,3 +112,27 @@ def test_out_of_vocab_ids_are_refused_by_the_engine(llm):
                           ({"stop_token_ids": [600]}, "stop_token_ids")):
         with pytest.raises(ValueError, match=f"{field} must be token ids in \\[0, 512\\)"):
             run(llm, **kwargs)
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled(llm):
+    """vLLM's allowed_token_ids: every other logit is -inf, whatever logit_bias or temperature."""
+    allowed = [A, 66, 67]
+    params = SamplingParams(allowed_token_ids=allowed, temperature=1.0, seed=3, max_tokens=32)
+    out = llm.generate(prompt_token_ids=[[10, 20, 30]], sampling_params=params, use_tqdm=False)[0]
+    assert len(out.token_ids) == 32 and set(out.token_ids) <= set(allowed) and len(set(out.token_ids)) > 1
+    # a bias towards a token not allowed does not bring it back
+    assert run(llm, allowed_token_ids=[66], logit_bias={A: 100}).token_ids == [66] * 8
+    # greedy: the most likely of the allowed
+    plain = run(llm)
+    assert run(llm, allowed_token_ids=[plain.token_ids[0], A]).token_ids[0] == plain.token_ids[0]
+
+
+@pytest.mark.parametrize("value,message", [([], "non-empty"), ([-1], "non-negative"), ("A", "non-empty")])
+def test_allowed_token_ids_must_be_a_non_empty_list_of_ids(value, message):
+    with pytest.raises(ValueError, match=rf"^allowed_token_ids must be .*{message}"):
+        SamplingParams(allowed_token_ids=value)
+
+
+def test_allowed_token_ids_beyond_the_vocabulary_are_refused_by_the_engine(llm):
+    with pytest.raises(ValueError, match="allowed_token_ids must be token ids in"):
+        run(llm, allowed_token_ids=[10 ** 7])
