@@ -62,7 +62,6 @@ REFUSED: dict[str, Refused] = {
     "mm_processor_kwargs": _refused("multimodal input is not supported", {CHAT}),
     "prompt_embeds": _refused("prompt_embeds is not supported", {COMPLETION}),
     # vLLM's other sampling and output fields
-    "bad_words": _refused("bad_words is not supported", no_op=(None, [])),
     "spaces_between_special_tokens": _refused("spaces_between_special_tokens is not supported",
                                               no_op=(None, True)),
     "logits_processors": _refused("logits_processors is not supported"),

@@ -67,6 +67,7 @@ def sampling_from_proto(req: pb.GenerateRequest, default_max_tokens: int = 16,
               "include_stop_str_in_output": req.include_stop_str_in_output,
               "logit_bias": dict(req.logit_bias) or None,
               "allowed_token_ids": list(req.allowed_token_ids) or None,
+              "bad_words": list(req.bad_words) or None,
               "prompt_logprobs": prompt_logprobs_asked(req)}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "skip_special_tokens", "n", "best_of"):

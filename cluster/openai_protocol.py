@@ -64,6 +64,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     # Structured outputs (cluster/structured_request.py reads them; at most one per request).
     response_format: dict[str, Any] | None = None
@@ -231,7 +232,7 @@ def sampling_params(req: _Request, remaining_context: int) -> SamplingParams:
                   ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs_asked(req),
                   n=req.n, best_of=getattr(req, "best_of", None), min_tokens=req.min_tokens,
                   stop_token_ids=req.stop_token_ids or [], logit_bias=_logit_bias(req.logit_bias),
-                  allowed_token_ids=req.allowed_token_ids,
+                  allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or None,
                   include_stop_str_in_output=req.include_stop_str_in_output,
                   skip_special_tokens=req.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",

@@ -43,6 +43,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids can be sampled (every other logit is -inf)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words that cannot be generated (worker/bad_words.py: a word's last token is masked
+    # once the output ends with the tokens before it)
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # The output must match this (JSON schema, regex, choice, grammar): the sampler masks every
@@ -54,6 +57,8 @@ class SamplingParams:
     MAX_STOP_TOKEN_IDS = 64
     MAX_LOGIT_BIAS = 300
     MAX_ALLOWED_TOKEN_IDS = 1 << 18
+    MAX_BAD_WORDS = 128
+    MAX_BAD_WORD_CHARS = 256
     MAX_STOP_STRING_CHARS = 512
     MAX_LOGPROBS = 20
 
@@ -115,6 +120,14 @@ class SamplingParams:
             for t in ids:
                 if not _is_int(t) or t < 0:
                     fail("allowed_token_ids", "non-negative token ids", t)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list) or len(words) > self.MAX_BAD_WORDS:
+                fail("bad_words", f"a list of at most {self.MAX_BAD_WORDS} strings",
+                     f"{len(words) if isinstance(words, list) else type(words).__name__}")
+            for w in words:
+                if not isinstance(w, str) or not 0 < len(w.strip()) <= self.MAX_BAD_WORD_CHARS:
+                    fail("bad_words", f"words of 1 to {self.MAX_BAD_WORD_CHARS} characters", w)
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a boolean", getattr(self, name))

@@ -94,7 +94,7 @@ ROWS = [
     Row("spaces_between_special_tokens", False, "refused"),
     Row("truncate_prompt_tokens", 4, "check"),
     Row("allowed_token_ids", [A, 66], "sampling"),
-    Row("bad_words", ["x"], "refused"),
+    Row("bad_words", ["A"], "sampling", base=NUDGE_A),
     Row("logits_processors", ["x"], "refused"),
     Row("return_tokens_as_token_ids", True, "check"),
     Row("return_token_ids", True, "check"),

@@ -14,6 +14,7 @@ from kvmesh.hashing import model_salt, tenant_salt
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.protocol import (EngineRequest, KVEventBatch, KVSnapshot, TokenDelta, WorkerLoad,
                              check_prompt_size)
+from kvmesh.worker.bad_words import bad_word_token_ids
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.kv_cache import kv_cache_torch_dtype
@@ -197,6 +198,8 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)
+        if params.bad_words:
+            req.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         if request.stream_text or params.stop:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                      params.skip_special_tokens,
@@ -261,9 +264,11 @@ class Engine:
         host's bookkeeping overlaps the GPU's work; outputs then arrive one call later."""
         deltas, self._finished_out = self._finished_out, []
         deltas.extend(self._admit_compiled())
-        # A grammar's mask needs the previous token accepted, as penalties need it counted.
+        # A grammar's mask needs the previous token accepted, as penalties need it counted and
+        # bad_words need it read.
         overlap = self.async_scheduling and not any(
-            r.sampling_params.uses_penalties or r.grammar is not None for r in self.scheduler.running)
+            r.sampling_params.uses_penalties or r.grammar is not None or r.sampling_params.bad_words
+            for r in self.scheduler.running)
         if self._in_flight is not None and not overlap:
             deltas.extend(self._process(*self._in_flight))
             self._in_flight = None

@@ -1,4 +1,4 @@
-"""Sampling: allowed_token_ids, logit_bias and min_tokens, then penalties (vLLM's order),
+"""Sampling: allowed_token_ids, bad_words, logit_bias and min_tokens, then penalties (vLLM's order),
 temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 The batch is sampled with tensor operations and one host sync (the final .tolist()). A seeded
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.sampling_params import SamplingParams
+from kvmesh.worker.bad_words import banned_next_tokens
 from kvmesh.worker.grammar import apply_grammar_masks
 from kvmesh.worker.host_to_device import to_device
 
@@ -48,14 +49,18 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 def apply_bias_and_min_tokens(logits: torch.Tensor, requests, eos_token_ids) -> torch.Tensor:
     """A row with allowed_token_ids keeps only those logits; logit_bias added to each row's logits;
-    a row with fewer than min_tokens output tokens cannot sample its stop_token_ids or EOS (unless
-    ignore_eos). logits [N, V] float32, changed in place with one scatter each, on the logits'
+    a row's bad_words cannot be completed (worker/bad_words.py); a row with fewer than min_tokens
+    output tokens cannot sample its stop_token_ids or EOS (unless ignore_eos). logits [N, V] float32, changed in place with one scatter each, on the logits'
     device."""
     vocab = logits.shape[-1]
     _keep_allowed(logits, requests)
     rows, cols, values, masked_rows, masked_cols = [], [], [], [], []
     for i, req in enumerate(requests):
         params = req.sampling_params
+        if getattr(req, "bad_word_ids", None):
+            for token_id in banned_next_tokens(req.bad_word_ids, req.output_token_ids):
+                if token_id < vocab:
+                    masked_rows.append(i), masked_cols.append(token_id)
         if params.logit_bias:
             for token_id, bias in params.logit_bias.items():
                 if token_id < vocab:
@@ -153,7 +158,7 @@ def _temperature_only(p: SamplingParams, request) -> bool:
     """Whether a row needs nothing of the general path but its temperature (the fused kernel)."""
     return (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.uses_penalties
             and not p.logit_bias and not p.min_tokens and not p.needs_sampled_logprobs
-            and not p.allowed_token_ids
+            and not p.allowed_token_ids and not p.bad_words
             and getattr(request, "generator", None) is None and getattr(request, "grammar", None) is None)
 
 
@@ -188,7 +193,7 @@ class Sampler:
             tokens = sample_from_logits(logits, inv_temperature, self._step_seeds.getrandbits(31))
             return PendingSample(requests, tokens, None, None, None)
         logits = logits.float()
-        if any(p.logit_bias or p.min_tokens or p.allowed_token_ids for p in params):  # before penalties, as vLLM
+        if any(p.logit_bias or p.min_tokens or p.allowed_token_ids or p.bad_words for p in params):  # before penalties, as vLLM
             logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
         for i, req in enumerate(requests):
             if params[i].uses_penalties:

@@ -52,6 +52,7 @@ class Request:
         self.prompt_logprobs_sent = False
         self.detokenizer = None  # set by the engine
         self.grammar = None  # structured outputs: a worker.grammar.GrammarMatcher, set by the engine
+        self.bad_word_ids: list[list[int]] = []  # bad_words tokenized (worker/bad_words.py), by the engine
         # Async scheduling: the token sampled by the step in flight is a placeholder (-1) at the end
         # of the token lists until its step is processed; pending_row is its row in that step's
         # sampled tokens, from which the next step reads it on the device.

@@ -136,3 +136,30 @@ def test_allowed_token_ids_must_be_a_non_empty_list_of_ids(value, message):
 def test_allowed_token_ids_beyond_the_vocabulary_are_refused_by_the_engine(llm):
     with pytest.raises(ValueError, match="allowed_token_ids must be token ids in"):
         run(llm, allowed_token_ids=[10 ** 7])
+
+
+def test_bad_words_are_never_completed(llm):
+    """vLLM's bad_words: a one-token word is never sampled; a longer word's last token is masked
+    once the output ends with the others (here "AA": A is the likeliest, B next, so the output
+    alternates instead of repeating A)."""
+    nudged = {A: 100, 66: 99}
+    assert run(llm, logit_bias=nudged).token_ids == [A] * 8
+    assert run(llm, logit_bias=nudged, bad_words=["A"]).token_ids == [66] * 8
+    assert run(llm, logit_bias=nudged, bad_words=["AA"]).token_ids == [A, 66] * 4
+    assert run(llm, logit_bias=nudged, bad_words=["AB"]).token_ids == [A] * 8  # never ends with A, B
+
+
+def test_bad_word_tokens_are_the_word_and_its_spaced_form_where_it_tokenizes_alike():
+    from kvmesh.worker.bad_words import bad_word_token_ids, banned_next_tokens
+    from kvmesh.worker.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(MODEL)[0]  # bytes: " A" is two tokens, so only "A" is kept
+    assert bad_word_token_ids(tokenizer, ["A", " AB"]) == [[A], [A, 66]]
+    assert banned_next_tokens([[A], [A, 66]], [1, 2]) == {A}
+    assert banned_next_tokens([[A], [A, 66]], [1, A]) == {A, 66}
+
+
+@pytest.mark.parametrize("value", [[""], ["   "], "A", ["x" * 257], ["w"] * 129])
+def test_bad_words_must_be_a_short_list_of_words(value):
+    with pytest.raises(ValueError, match=r"^bad_words must be"):
+        SamplingParams(bad_words=value)
