@@ -5,7 +5,9 @@ Each ingress replica holds a handle to the workers, so Serve gives it a copy of 
 router (request_router.py). The HTTP routes here and the gRPC methods (grpc_service.py) are adapters
 over one request pipeline (pipeline.py): they parse their wire request into its GenerationRequest
 and render what it returns. Errors are OpenAI's error JSON with the right status; a client that
-disconnects closes its stream, which aborts the request on the worker.
+disconnects closes its stream, which aborts the request on the worker. /v1/responses runs as the
+chat it asks for (responses_api.py); its stored responses live in one actor shared by the replicas
+(response_store.py), and a background response runs on in a task of the replica that took it.
 """
 
 import asyncio

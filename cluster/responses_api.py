@@ -408,6 +408,9 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
     items: list[dict] = []  # the output items in order; the message is created at its first text
     message: dict | None = None
     calls: dict[int, dict] = {}  # a tool call's index -> its function_call item
+    # logprobs of tokens whose text has not come yet (a character cut between tokens): they go
+    # out with the next text delta
+    held: list[dict] = []
 
     def event(kind: str, **data) -> bytes:
         nonlocal sequence
@@ -427,16 +430,19 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
                       content_index=0, part=shaper.part(""))]
 
     def pieces_events(pieces: list[dict], logprobs: list) -> list[bytes]:
+        nonlocal held
+        held = held + logprobs
         out = []
         for piece in pieces:
             if piece.get("content"):
                 if message is None:
                     out += open_message()
                 message["_text"].append(piece["content"])
-                message["_logprobs"] += logprobs  # without tools: one piece, the delta's text
+                message["_logprobs"] += held  # without tools: one piece, the delta's text
                 out.append(event("response.output_text.delta", item_id=shaper.message_id,
                                  output_index=message["index"], content_index=0, delta=piece["content"],
-                                 logprobs=logprobs))
+                                 logprobs=held))
+                held = []
             for part in piece.get("tool_calls") or []:
                 fn = part.get("function") or {}
                 entry = calls.get(part["index"])
@@ -469,6 +475,8 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
             logprobs = logprobs_of(delta) if logprobs_of is not None else []
             for chunk in pieces_events(pieces, logprobs):
                 yield chunk
+        if held and message is not None:  # tokens whose text never completed
+            message["_logprobs"] += held
         if last is None or last.finish_reason in ("error", "abort"):
             error = (last.error if last is not None else None) or "the worker ended the request"
             done = ([shaper.message(text_of(message), "incomplete", message["_logprobs"])]
@@ -484,6 +492,7 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
         if message is None and not calls:  # no text and no call: an empty message
             for chunk in open_message():
                 yield chunk
+            message["_logprobs"] += held
         status, incomplete = _ending(last.finish_reason)
         output = []
         for item in items:

@@ -353,3 +353,58 @@ def test_a_background_response_runs_until_cancelled_or_its_runner_goes_quiet():
     store.put({"id": "fg", "status": "completed", "output": []}, ["t"], owner="a", capacity=10)
     assert store.cancel("fg", "a") == "not_background"
     assert store.delete("ok", "a") and store.touch("ok") is True  # deleted: its runner would stop
+
+
+# ---- streamed events: the logprobs of tokens whose text comes later ------------------------------
+
+class Deltas:
+    """A finished request's deltas as the pipeline's DeltaStream hands them to sse_events (the
+    cluster runs the real one: tests/integration/test_cluster_serving.py)."""
+
+    def __init__(self, deltas):
+        from types import SimpleNamespace
+
+        self.deltas, self.routed = deltas, SimpleNamespace(num_prompt_tokens=3)
+        self.num_tokens = sum(len(d.token_ids) for d in deltas)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    def __aiter__(self):
+        async def each():
+            for delta in self.deltas:
+                yield delta
+        return each()
+
+
+def test_a_tokens_logprobs_wait_for_its_text_and_none_is_lost():
+    """A character cut between two tokens: the first delta has a token and no text; its logprob
+    goes out with the next text delta, and the done event and the response hold every token's."""
+    import asyncio
+    import json
+
+    from kvmesh.cluster.responses_api import sse_events
+    from kvmesh.protocol import TokenDelta
+
+    deltas = [TokenDelta("r", [1], ""), TokenDelta("r", [2], "é"), TokenDelta("r", [3], "!", finish_reason="stop",
+                                                                                num_prompt_tokens=3)]
+    entries = {t: {"token": f"t{t}", "logprob": -t, "bytes": [], "top_logprobs": []} for t in (1, 2, 3)}
+
+    async def collect():
+        shaper = ResponseShaper({"model": "m", "input": "x"}, "m", 0)
+        out = []
+        async for raw in sse_events(Deltas(deltas), shaper, None, lambda d: [entries[t] for t in d.token_ids]):
+            out.append(json.loads(raw.decode().split("data: ", 1)[1]))
+        return out
+
+    events = asyncio.run(collect())
+    text_deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [e["delta"] for e in text_deltas] == ["é", "!"]
+    assert [[lp["token"] for lp in e["logprobs"]] for e in text_deltas] == [["t1", "t2"], ["t3"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert [lp["token"] for lp in done["logprobs"]] == ["t1", "t2", "t3"]
+    final = events[-1]["response"]["output"][0]["content"][0]
+    assert final["text"] == "é!" and [lp["token"] for lp in final["logprobs"]] == ["t1", "t2", "t3"]
