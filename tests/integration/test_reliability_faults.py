@@ -366,7 +366,7 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
     """SIGKILL of the engine child only: its actor lives on until Serve replaces it, so the
     worker itself must report the death, refuse work retryably, and have its requests re-run.
     The victim is a worker that holds requests when the fault strikes (the router may send most of
-    the load to one worker); 12 requests of 32 tokens at a time, most of them non-streaming (a
+    the load to one worker); 12 requests of 96 tokens at a time, most of them non-streaming (a
     stream that has shown tokens ends with an error instead of being re-run), so that the victim's
     engine holds some it can re-run then. A load report can be a second old, so the victim is the
     worker reporting the most running requests (two or more) whose engine is also stepping now:
@@ -396,7 +396,7 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
                    what="/health to count one healthy worker")
         seen["unhealthy_after_s"] = time.monotonic() - killed
 
-    out, _ = run_with_fault(cluster, kill_and_watch_health, concurrency=12, max_tokens=32,
+    out, _ = run_with_fault(cluster, kill_and_watch_health, concurrency=12, max_tokens=96,
                             mix={"whole": 0.6, "stream": 0.1, "grpc": 0.2, "abort": 0.1})
     actor = seen["actor"]
     s = assert_nothing_lost(out)
@@ -429,8 +429,18 @@ def test_killing_a_workers_engine_process_loses_nothing_answers_json_and_drops_i
 # ---- kill a worker replica -------------------------------------------------------------------------
 
 def test_killing_a_worker_replica_loses_nothing_and_serve_replaces_it(cluster):
-    victims = wait_until(lambda: (lambda p: p if len(p) == 2 else None)(ray_processes(cluster, "KVWorker")),
-                         90, interval_s=0.5, what="two worker replica processes")
+    def two_settled_workers():
+        """The two live replicas' processes: both healthy, and no replica of an earlier fault still
+        going away (CI once signalled one Serve was shutting down as the victim was picked)."""
+        if healthy_workers(cluster) != 2:
+            return None
+        first = ray_processes(cluster, "KVWorker")
+        time.sleep(1.0)
+        again = ray_processes(cluster, "KVWorker")
+        settled = len(first) == 2 and {p.pid for p in again} == {p.pid for p in first}
+        return first if settled and all(p.is_running() for p in first) else None
+
+    victims = wait_until(two_settled_workers, 120, interval_s=0.5, what="two settled worker replica processes")
     out, killed_at = run_with_fault(cluster, lambda: victims[0].send_signal(signal.SIGKILL), mix=GRPC_MIX)
     assert_nothing_lost(out)
     # no gRPC stream failed or was cut: each ended OK at its first attempt, whole or with an error
