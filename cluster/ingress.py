@@ -300,9 +300,7 @@ class Ingress(GrpcService, HealthService):
         try:
             self.pipeline.authorize("api", request.headers.get("authorization"))
             query = request.query_params
-            for name in query:
-                if name not in ("limit", "order", "after"):
-                    raise ApiError(400, f"{name}: not a query parameter here (limit, order, after)", param=name)
+            self._no_query(request, ("limit", "order", "after"))
             self._store_on("response_id")
             items = await self.stored_responses.inputs.remote(response_id, self._owner(request))
             if items is None:
@@ -341,9 +339,12 @@ class Ingress(GrpcService, HealthService):
                            "(server.responses_store is 0)", param=param)
 
     @staticmethod
-    def _no_query(request: Request) -> None:
+    def _no_query(request: Request, allowed: tuple[str, ...] = ()) -> None:
+        """400 naming a query parameter the route does not take."""
         for name in request.query_params:
-            raise ApiError(400, f"{name}: not a query parameter here", param=name)
+            if name not in allowed:
+                known = f" ({', '.join(allowed)})" if allowed else ""
+                raise ApiError(400, f"{name}: not a query parameter here{known}", param=name)
 
     async def _stored(self, response_id: str, owner: str, param: str) -> tuple[dict, list]:
         """(response, conversation) of a stored response of `owner`; 404 naming `param` if none."""
