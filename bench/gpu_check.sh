@@ -18,7 +18,7 @@ case "${1:-tests}" in
       ${TESTS:-tests/gpu/test_greedy_qwen3.py tests/gpu/test_fp8_weights_gpu.py tests/gpu/test_fp8_kv_cache_gpu.py \
       tests/gpu/test_fused_sampler.py tests/gpu/test_fused_moe_gpu.py tests/gpu/test_attention_backends.py \
       tests/gpu/test_fused_kernels.py tests/gpu/test_grammar_mask_gpu.py tests/gpu/test_parallel_sampling_gpu.py \
-      tests/gpu/test_tensor_parallel_gpu.py} > $OUT/gpu_tests.log 2>&1
+      tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_sampler_masks_gpu.py} > $OUT/gpu_tests.log 2>&1
     (cd /tmp && tar czf $OUT/fi_cache.tgz fi 2>/dev/null)
     grep -E "^(FAILED|ERROR)|fp8 vs bf16|diverges|max \|" $OUT/gpu_tests.log | cut -c1-300 | head -40
     grep -E "slowest|^[0-9.]+s (call|setup)" $OUT/gpu_tests.log | head -26

@@ -185,13 +185,15 @@ class Frontend:
 
     def routed_request(self, prompt_ids: list[int], params: SamplingParams, info: ModelInfo,
                        session_key: str | None, request_id: str | None = None,
-                       arrival: float | None = None, cache_salt: str | None = None) -> RoutedRequest:
+                       arrival: float | None = None, cache_salt: str | None = None,
+                       priority: int = 0) -> RoutedRequest:
         return RoutedRequest(
             request_id=request_id or new_id("req"), prompt_token_ids=prompt_ids,
             sampling_params=params,
             block_hashes=block_hashes(prompt_ids, info.block_size, tenant_salt(info.hash_salt, cache_salt)),
             hash_block_size=info.block_size,
-            session_key=session_key, arrival_time=arrival or time.time(), cache_salt=cache_salt or None)
+            session_key=session_key, arrival_time=arrival or time.time(), cache_salt=cache_salt or None,
+            priority=priority)
 
     # ---- structured outputs ------------------------------------------------------------------
 

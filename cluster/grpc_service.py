@@ -103,7 +103,7 @@ def generation_request(request: pb.GenerateRequest, arrival: float, engine_id: s
         prompt, lambda budget: sampling_from_proto(request, min(16, budget), structured),
         max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
         model=request.model, session_key=request.session_id or None, request_id=engine_id,
-        arrival=arrival)
+        arrival=arrival, priority=request.priority)
 
 
 def _caller(service, grpc_context) -> str:

@@ -408,7 +408,7 @@ class Ingress(GrpcService, HealthService):
                 max_tokens=getattr(req, max_tokens_param(req)),
                 max_tokens_param=max_tokens_param(req), model=req.model,
                 session_key=request.headers.get(self.config.routing.session_header) or req.user,
-                arrival=arrival, cache_salt=req.cache_salt)) for prompt in prompts]
+                arrival=arrival, cache_salt=req.cache_salt, priority=req.priority)) for prompt in prompts]
             token_decode = token_id_name if req.return_tokens_as_token_ids else self.frontend.decode_token
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),
                             self.frontend.model_name, now(), token_decode,

@@ -22,6 +22,7 @@ class RoutedRequest:
     attempt: int = 0  # retries after a worker died before producing a token
     avoid_workers: list[str] = field(default_factory=list)  # workers whose engine died under this request
     cache_salt: str | None = None  # vLLM's: block_hashes are salted with it too (hashing.tenant_salt)
+    priority: int = 0  # vLLM's: the worker's queue order under engine.scheduling_policy "priority"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -83,6 +83,9 @@ class _Request(BaseModel):
     # vLLM's: the prompt's cached blocks are shared only with requests of the same salt
     # (multi-tenant isolation: another tenant cannot time a cache hit on your prompt)
     cache_salt: str | None = None
+    # vLLM's: lower runs first in a worker's queue under engine.scheduling_policy "priority"
+    # (RequestPipeline refuses anything but 0 under "fcfs")
+    priority: int = Field(0, ge=-2**63, lt=2**63)
 
 
 class ChatMessage(BaseModel):

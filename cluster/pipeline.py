@@ -74,6 +74,7 @@ class GenerationRequest:
     request_id: str | None = None  # the server's name for it; None: a new one
     arrival: float = field(default_factory=time.time)
     cache_salt: str | None = None  # vLLM's: shares cached blocks only with the same salt
+    priority: int = 0  # vLLM's: lower first in a worker's queue (engine.scheduling_policy "priority")
 
 
 @dataclass
@@ -112,6 +113,7 @@ class RequestPipeline:
     async def _admit(self, request: GenerationRequest) -> Admitted:
         fe, prompt = self.frontend, request.prompt
         fe.check_model(request.model)
+        self._check_priority(request.priority)
         prompt_ids = await self._prompt_ids(prompt)
         if prompt.truncate is not None:
             prompt_ids = prompt_ids[-await self._kept_tokens(prompt.truncate):]
@@ -129,8 +131,13 @@ class RequestPipeline:
                            param=request.max_tokens_param)
         routed = fe.routed_request(prompt_ids, params, info, request.session_key,
                                    request_id=request.request_id, arrival=request.arrival,
-                                   cache_salt=request.cache_salt)
+                                   cache_salt=request.cache_salt, priority=request.priority)
         return Admitted(routed, prompt.param)
+
+    def _check_priority(self, priority: int) -> None:
+        if priority and self.frontend.config.engine.scheduling_policy != "priority":
+            raise ApiError(400, f"priority is {priority}, but the server schedules first come, first "
+                           "served (engine.scheduling_policy fcfs): only 0 is accepted", param="priority")
 
     async def _kept_tokens(self, truncate: int) -> int:
         longest = (await self.frontend.model_info()).max_model_len - 1

@@ -85,7 +85,8 @@ class KVWorker:
         request = EngineRequest(routed.request_id, list(routed.prompt_token_ids),
                                 routed.sampling_params, routed.arrival_time or time.time(),
                                 block_hashes=routed.block_hashes if routed.hash_block_size else None,
-                                hash_block_size=routed.hash_block_size, cache_salt=routed.cache_salt)
+                                hash_block_size=routed.hash_block_size, cache_salt=routed.cache_salt,
+                                priority=routed.priority)
         stream = self.loop.submit(request)
         self.latency.arrived(routed.request_id, request.arrival_time)
         interval = self.config.server.stream_interval

@@ -12,6 +12,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
 # vLLM's names: "auto" stores K/V in the model dtype; "fp8" is an alias of "fp8_e4m3"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATIONS = (None, "fp8")
+# vLLM's --scheduling-policy: "fcfs" queues by arrival; "priority" by each request's `priority`
+# (lower first), then arrival, and preempts the lowest priority first (worker/scheduler.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class EngineConfig:
     # None: weights in `dtype`; "fp8": the linear layers' weights quantized to FP8 (e4m3, one scale
     # per tensor) at load, activations per token at each call (worker/layers/fp8.py), as vLLM's
     quantization: str | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         def fail(name, limit):
@@ -71,6 +75,8 @@ class EngineConfig:
             fail("tensor_parallel_size", "an integer >= 1")
         if self.quantization not in QUANTIZATIONS:
             fail("quantization", "None or 'fp8'")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail("scheduling_policy", f"one of {', '.join(SCHEDULING_POLICIES)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             fail("dtype", "one of auto, float32, bfloat16, float16")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -69,7 +69,9 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """`priority` (vLLM's): one per prompt, lower first, for an engine built with
+        scheduling_policy="priority"; the outputs keep the prompts' order either way."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -78,7 +80,7 @@ class LLM:
         else:
             texts = [None] * len(prompt_token_ids)
             token_lists = [list(ids) for ids in prompt_token_ids]
-        return self._run(texts, token_lists, sampling_params, use_tqdm)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -107,18 +109,21 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)
 
-    def _run(self, texts, token_lists, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, texts, token_lists, sampling_params, use_tqdm, priority=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(token_lists))
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(token_lists)} prompts")
+        priorities = [0] * len(token_lists) if priority is None else list(priority)
+        if len(priorities) != len(token_lists):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(token_lists)} prompts")
         # Validate every request before queueing any, so a bad one leaves nothing half-done.
         requests = []
-        for text, ids, p in zip(texts, token_lists, params):
+        for text, ids, p, rank in zip(texts, token_lists, params, priorities):
             requests.append(EngineRequest(f"req-{next(self._ids)}", ids, p, prompt=text,
-                                          stream_text=_needs_text_on_the_step(p)))
+                                          stream_text=_needs_text_on_the_step(p), priority=rank))
         for r in requests:
             self.engine.validate_request(r)
             if r.sampling_params.structured_outputs is not None:  # a bad schema raises here

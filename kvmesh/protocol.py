@@ -100,6 +100,9 @@ class EngineRequest:
     # vLLM's cache_salt: the request's blocks are hashed under it too (hashing.tenant_salt), so it
     # shares cached blocks only with requests of the same salt
     cache_salt: str | None = None
+    # vLLM's priority: lower runs first under the engine's "priority" scheduling policy; under
+    # "fcfs" (the default) anything but 0 is refused
+    priority: int = 0
 
 
 class PromptSizeError(ValueError):

@@ -15,7 +15,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
+from kvmesh.config import ATTENTION_BACKENDS, DEFAULT_MODEL, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from kvmesh.router.policies import POLICY_NAMES as ROUTING_POLICIES
 from kvmesh.router.policies import policy_defaults, policy_options
 AUTOSCALING_POLICIES = ("ongoing_requests", "queue", "kv_pressure", "ttft_slo", "itl_slo")
@@ -49,6 +49,8 @@ class EngineSection(_Strict):
     seed: int = Field(0, ge=0, description="Engine seed (requests without a seed sample from it).")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each worker splits its model over by attention heads (tensor parallelism, one process per GPU, NCCL); the worker is still one replica to the router. Needs replicas.num_gpus equal to it (or 0: CPU processes with gloo, for tests).")
     quantization: Literal["fp8"] | None = Field(None, description="Weight quantization at load: null = weights in dtype; fp8 = the linear layers' weights in FP8 (e4m3, one scale per tensor, activations scaled per token at each step; vLLM's --quantization fp8 with per-token activation scales), half their memory. Needs a GPU of compute capability 8.9+ (Ada, Hopper); not for mixture-of-experts models.")
+    scheduling_policy: Literal[SCHEDULING_POLICIES] = Field(  # type: ignore[valid-type]
+        "fcfs", description="The order of each worker's engine queue (vLLM's --scheduling-policy): fcfs = by arrival; priority = by each request's `priority` field (lower first; ties by arrival), and when the KV pool runs out the running request of the lowest priority is preempted first. Requests wait in an engine only beyond its max_num_seqs or its KV pool, so set replicas.max_ongoing_requests above max_num_seqs for priorities to order them; the ingress's own queue (max_queued_requests) stays first come, first served. Under fcfs a request with a non-zero priority is refused.")
 
 
 class ReplicasSection(_Strict):
@@ -214,7 +216,7 @@ class ServeConfig(_Strict):
             enable_prefix_caching=e.enable_prefix_caching, attention_backend=e.attention_backend,
             kv_cache_dtype=e.kv_cache_dtype, enforce_eager=e.enforce_eager, torch_compile=e.torch_compile,
             seed=e.seed, worker_id=worker_id, tensor_parallel_size=e.tensor_parallel_size,
-            quantization=e.quantization)
+            quantization=e.quantization, scheduling_policy=e.scheduling_policy)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

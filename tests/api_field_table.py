@@ -98,7 +98,7 @@ ROWS = [
     Row("logits_processors", ["x"], "refused"),
     Row("return_tokens_as_token_ids", True, "check"),
     Row("return_token_ids", True, "check"),
-    Row("priority", 1, "refused"),
+    Row("priority", 1, "check"),
     Row("request_id", "mine", "refused"),
     Row("cache_salt", "salt", "check"),
     Row("kv_transfer_params", {"k": 1}, "refused"),

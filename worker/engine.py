@@ -59,7 +59,7 @@ class Engine:
             num_blocks = num_kv_blocks(config, self.model_config, self.device, self.kv_cache_dtype, self.tp)
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                       self.max_model_len)
+                                       self.max_model_len, config.scheduling_policy)
             self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
                                       self.device, self.dtype, config.attention_backend, config.seed,
                                       self.max_model_len, enforce_eager=config.enforce_eager,
@@ -145,6 +145,12 @@ class Engine:
                              f"({self.block_manager.num_blocks} blocks of {self.block_size})")
         if request.block_hashes is not None:
             self._check_block_hashes(request)
+        priority = request.priority
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**63 <= priority < 2**63:
+            raise ValueError(f"priority must be an integer (a 64-bit one), got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority is {priority}; this engine schedules first come, first served "
+                             "(scheduling_policy 'fcfs'): start it with scheduling_policy 'priority'")
         if not isinstance(request.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a kvmesh.SamplingParams")
         request.sampling_params.validate()
@@ -195,6 +201,7 @@ class Engine:
                       tenant_salt(self.hash_salt, request.cache_salt),
                       request.arrival_time or time.time(), request.prompt, request.block_hashes)
         req.index = index
+        req.priority = request.priority
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(params.seed)

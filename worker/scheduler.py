@@ -5,8 +5,16 @@ token budget (max_num_batched_tokens) is filled by running requests first (decod
 already in progress), then by waiting requests' prompt chunks, up to max_num_seqs running. When the
 pool runs out of blocks, the newest running request is preempted: its blocks are released and it
 goes back to the front of the queue to be recomputed later (its cached prefix usually survives).
+
+Under the "priority" policy (vLLM's --scheduling-policy priority) the queue is ordered by each
+request's priority (lower first), then by arrival, and the victim of a preemption is the running
+request of the lowest priority (the newest among equals) rather than the newest; a preempted request
+goes back into the queue at its place in that order. A waiting request does not preempt a running
+one: priority decides who is admitted next and who gives way when the pool runs out.
 """
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,7 +45,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be fcfs or priority, got {policy!r}")
+        self.by_priority = policy == "priority"
+        self._arrivals = itertools.count()
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,7 +59,18 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        self._enqueue(request, preempted=False)
+
+    def _enqueue(self, request: Request, preempted: bool) -> None:
+        if not self.by_priority:
+            (self.waiting.appendleft if preempted else self.waiting.append)(request)
+            return
+        key = _queue_key(request)
+        if not self.waiting or key >= _queue_key(self.waiting[-1]):
+            self.waiting.append(request)  # the common case: equal priorities, in arrival order
+        else:
+            self.waiting.insert(bisect.bisect_right(self.waiting, key, key=_queue_key), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,21 +88,23 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
-                victims = self._preempt_newest()
+                processed = self.running[:index]
+                victims = self._preempt_victim()
                 preempted = True
                 # a group's members scheduled earlier in this step are taken back with it
                 for entry in [e for e in scheduled if any(e.request is v for v in victims)]:
                     scheduled.remove(entry)
                     budget += entry.num_new_tokens
                 if any(request is v for v in victims):
+                    # the current request gave way itself: go on after it (under fcfs it was the
+                    # newest, so nothing comes after it)
+                    index = sum(1 for r in processed if r in self.running)
                     break
                 index = self.running.index(request)
             else:
                 scheduled.append(self._entry(request, num_new))
                 budget -= num_new
                 index += 1
-                continue
-            break  # the current request was preempted itself: nothing else fits
 
         if not preempted:
             # sequences still to fork count against max_num_seqs from their request's admission
@@ -125,18 +150,25 @@ class Scheduler:
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens + entry.num_new_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.arrival_index = parent.arrival_index
             child.status = RequestStatus.RUNNING
         parent.pending_forks = []
         at = next(i for i, r in enumerate(self.running) if r is parent) + 1
         self.running[at:at] = entry.forks
 
-    def _preempt_newest(self) -> list[Request]:
-        """Preempt the newest running request, with the running sequences of its group (they share
-        blocks: one alone frees little). Returns them."""
-        newest = self.running[-1]
-        group = newest.group
-        victims = [r for r in self.running if r.group is group] if group is not None else [newest]
-        for victim in reversed(victims):  # to the front of the queue, in their order
+    def _preempt_victim(self) -> list[Request]:
+        """Preempt the newest running request (under "priority": the newest of the lowest priority),
+        with the running sequences of its group (they share blocks: one alone frees little).
+        Returns them."""
+        if self.by_priority:
+            at = max(range(len(self.running)), key=lambda i: (*_queue_key(self.running[i]), i))
+            chosen = self.running[at]
+        else:
+            chosen = self.running[-1]
+        group = chosen.group
+        victims = [r for r in self.running if r.group is group] if group is not None else [chosen]
+        # back into the queue in their order: at its front (fcfs), or at their place (priority)
+        for victim in (victims if self.by_priority else reversed(victims)):
             self.running.remove(victim)
             self._preempt(victim)
         return victims
@@ -147,7 +179,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step is launched: its tokens count as computed (their K/V is written in stream order
@@ -168,3 +200,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
+
+
+def _queue_key(request: Request) -> tuple[int, int]:
+    return request.priority, request.arrival_index

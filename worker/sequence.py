@@ -39,6 +39,8 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = 0  # lower is scheduled first under the "priority" policy (worker/scheduler.py)
+        self.arrival_index = 0  # the scheduler's count of arrivals: ties of priority go in this order
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None  # first scheduled (its queue time ends)
         self.finish_time: float | None = None

@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--responses-store", type=int, metavar="N",
                    help="keep up to N /v1/responses responses asked for with store: true "
                         "(server.responses_store; 0 = off)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                   help="each worker's queue order (engine.scheduling_policy): fcfs, or priority by "
+                        "the requests' `priority` field (lower first)")
     p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this bearer token (repeat for several; adds to server.api_keys; "
@@ -82,6 +85,8 @@ def load_with_overrides(args):
         cfg["server"]["direct_http_port"] = args.direct_http_port
     if getattr(args, "responses_store", None) is not None:
         cfg["server"]["responses_store"] = args.responses_store
+    if getattr(args, "scheduling_policy", None):
+        cfg["engine"]["scheduling_policy"] = args.scheduling_policy
     for key in getattr(args, "api_key", None) or []:
         if key not in cfg["server"]["api_keys"]:
             cfg["server"]["api_keys"].append(key)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x92\n\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x12\n\nsession_id\x18\x0e \x01(\t\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x1d\n\x10presence_penalty\x18( \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18) \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18* \x01(\x02H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18+ \x01(\r\x12\x16\n\x0estop_token_ids\x18, \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18- \x01(\x08\x12=\n\nlogit_bias\x18. \x03(\x0b\x32).kvmesh.v1.GenerateRequest.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18/ \x01(\x08H\n\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x30 \x03(\r\x12\x11\n\tbad_words\x18\x31 \x03(\t\x12\x0e\n\x01n\x18\x32 \x01(\rH\x0b\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x33 \x01(\rH\x0c\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x34 \x01(\x0b\x32\x1c.kvmesh.v1.StructuredOutputs\x12\x0c\n\x04\x65\x63ho\x18\x35 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x36 \x01(\rH\r\x88\x01\x01\x12\x1e\n\x05tools\x18\x37 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x38 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x39 \x01(\x08H\x0e\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18: \x01(\x08H\x0f\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18; \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18< \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x12\n\x10_prompt_logprobsB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"\xa2\x01\n\x11StructuredOutputs\x12\x18\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x0e\n\x0c_json_schemaB\x08\n\x06_regexB\n\n\x08_grammar\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x96\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x15\n\x0bstop_string\x18( \x01(\tH\x00\x12\x17\n\rstop_token_id\x18) \x01(\rH\x00\x12\r\n\x05index\x18\x32 \x01(\r\x12\x13\n\x0bprompt_text\x18\x33 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x34 \x03(\r\x12\x36\n\x0fprompt_logprobs\x18\x35 \x03(\x0b\x32\x1d.kvmesh.v1.PromptTokenLogprob\x12,\n\ntool_calls\x18\x36 \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDeltaB\r\n\x0bstop_reason\"\xb3\x01\n\x12PromptTokenLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04rank\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x33\n\x03top\x18\x03 \x03(\x0b\x32&.kvmesh.v1.PromptTokenLogprob.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\n\n\x08_logprobB\x07\n\x05_rank\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"E\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.kvmesh.v1.Model2\x99\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa4\n\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x12\n\nsession_id\x18\x0e \x01(\t\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x1d\n\x10presence_penalty\x18( \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18) \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18* \x01(\x02H\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18+ \x01(\r\x12\x16\n\x0estop_token_ids\x18, \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18- \x01(\x08\x12=\n\nlogit_bias\x18. \x03(\x0b\x32).kvmesh.v1.GenerateRequest.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18/ \x01(\x08H\n\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x30 \x03(\r\x12\x11\n\tbad_words\x18\x31 \x03(\t\x12\x0e\n\x01n\x18\x32 \x01(\rH\x0b\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x33 \x01(\rH\x0c\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x34 \x01(\x0b\x32\x1c.kvmesh.v1.StructuredOutputs\x12\x0c\n\x04\x65\x63ho\x18\x35 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x36 \x01(\rH\r\x88\x01\x01\x12\x1e\n\x05tools\x18\x37 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x38 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x39 \x01(\x08H\x0e\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18: \x01(\x08H\x0f\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18; \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18< \x01(\t\x12\x10\n\x08priority\x18= \x01(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x12\n\x10_prompt_logprobsB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"\xa2\x01\n\x11StructuredOutputs\x12\x18\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x0e\n\x0c_json_schemaB\x08\n\x06_regexB\n\n\x08_grammar\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x96\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12\x15\n\x0bstop_string\x18( \x01(\tH\x00\x12\x17\n\rstop_token_id\x18) \x01(\rH\x00\x12\r\n\x05index\x18\x32 \x01(\r\x12\x13\n\x0bprompt_text\x18\x33 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x34 \x03(\r\x12\x36\n\x0fprompt_logprobs\x18\x35 \x03(\x0b\x32\x1d.kvmesh.v1.PromptTokenLogprob\x12,\n\ntool_calls\x18\x36 \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDeltaB\r\n\x0bstop_reason\"\xb3\x01\n\x12PromptTokenLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04rank\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x33\n\x03top\x18\x03 \x03(\x0b\x32&.kvmesh.v1.PromptTokenLogprob.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\n\n\x08_logprobB\x07\n\x05_rank\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"E\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.kvmesh.v1.Model2\x99\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_start=206
   _globals['_TOOL']._serialized_end=267
   _globals['_GENERATEREQUEST']._serialized_start=270
-  _globals['_GENERATEREQUEST']._serialized_end=1568
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1259
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1307
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1571
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1733
-  _globals['_USAGE']._serialized_start=1735
-  _globals['_USAGE']._serialized_end=1815
-  _globals['_GENERATERESPONSE']._serialized_start=1818
-  _globals['_GENERATERESPONSE']._serialized_end=2224
-  _globals['_PROMPTTOKENLOGPROB']._serialized_start=2227
-  _globals['_PROMPTTOKENLOGPROB']._serialized_end=2406
-  _globals['_PROMPTTOKENLOGPROB_TOPENTRY']._serialized_start=2343
-  _globals['_PROMPTTOKENLOGPROB_TOPENTRY']._serialized_end=2385
-  _globals['_TOOLCALLDELTA']._serialized_start=2408
-  _globals['_TOOLCALLDELTA']._serialized_end=2483
-  _globals['_ABORTREQUEST']._serialized_start=2485
-  _globals['_ABORTREQUEST']._serialized_end=2519
-  _globals['_ABORTRESPONSE']._serialized_start=2521
-  _globals['_ABORTRESPONSE']._serialized_end=2551
-  _globals['_HEALTHREQUEST']._serialized_start=2553
-  _globals['_HEALTHREQUEST']._serialized_end=2568
-  _globals['_HEALTHRESPONSE']._serialized_start=2570
-  _globals['_HEALTHRESPONSE']._serialized_end=2639
-  _globals['_LISTMODELSREQUEST']._serialized_start=2641
-  _globals['_LISTMODELSREQUEST']._serialized_end=2660
-  _globals['_MODEL']._serialized_start=2662
-  _globals['_MODEL']._serialized_end=2722
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2724
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2778
-  _globals['_GENERATION']._serialized_start=2781
-  _globals['_GENERATION']._serialized_end=3062
+  _globals['_GENERATEREQUEST']._serialized_end=1586
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1277
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1325
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1589
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1751
+  _globals['_USAGE']._serialized_start=1753
+  _globals['_USAGE']._serialized_end=1833
+  _globals['_GENERATERESPONSE']._serialized_start=1836
+  _globals['_GENERATERESPONSE']._serialized_end=2242
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=2245
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=2424
+  _globals['_PROMPTTOKENLOGPROB_TOPENTRY']._serialized_start=2361
+  _globals['_PROMPTTOKENLOGPROB_TOPENTRY']._serialized_end=2403
+  _globals['_TOOLCALLDELTA']._serialized_start=2426
+  _globals['_TOOLCALLDELTA']._serialized_end=2501
+  _globals['_ABORTREQUEST']._serialized_start=2503
+  _globals['_ABORTREQUEST']._serialized_end=2537
+  _globals['_ABORTRESPONSE']._serialized_start=2539
+  _globals['_ABORTRESPONSE']._serialized_end=2569
+  _globals['_HEALTHREQUEST']._serialized_start=2571
+  _globals['_HEALTHREQUEST']._serialized_end=2586
+  _globals['_HEALTHRESPONSE']._serialized_start=2588
+  _globals['_HEALTHRESPONSE']._serialized_end=2657
+  _globals['_LISTMODELSREQUEST']._serialized_start=2659
+  _globals['_LISTMODELSREQUEST']._serialized_end=2678
+  _globals['_MODEL']._serialized_start=2680
+  _globals['_MODEL']._serialized_end=2740
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2742
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2796
+  _globals['_GENERATION']._serialized_start=2799
+  _globals['_GENERATION']._serialized_end=3080
 # @@protoc_insertion_point(module_scope)

@@ -272,6 +272,18 @@ def check_cache_salt(url, kind, row):
     assert (status, err["error"]["param"]) == (400, "cache_salt")
 
 
+def check_priority(url, kind, row):
+    """vLLM's: under the default scheduling policy (fcfs) only priority 0 is accepted; anything
+    else is a 400 naming the field and the policy. (Ordering under engine.scheduling_policy
+    priority: tests/integration/test_priority_scheduling.py.)"""
+    assert answer(url, kind, priority=0)["choices"]
+    for bad in (row.value, -1, 2**63, "1", 1.5):
+        status, err = post(url, PATHS[kind], body(kind, priority=bad))
+        assert (status, err["error"]["param"]) == (400, "priority"), (bad, err)
+    status, err = post(url, PATHS[kind], body(kind, priority=row.value))
+    assert "scheduling_policy" in err["error"]["message"], err
+
+
 def check_n(url, kind, row):
     response = answer(url, kind, n=row.value, temperature=1.0, seed=7)
     assert [c["index"] for c in response["choices"]] == list(range(row.value))
@@ -340,7 +352,7 @@ CHECKS = {
     "n": check_n, "best_of": check_best_of, "echo": check_echo, "prompt_logprobs": check_prompt_logprobs,
     ("echo", CHAT): check_chat_echo, "return_token_ids": check_return_token_ids,
     "return_tokens_as_token_ids": check_tokens_as_token_ids, "truncate_prompt_tokens": check_truncate_prompt_tokens,
-    "cache_salt": check_cache_salt, "add_generation_prompt": check_template_option,
+    "cache_salt": check_cache_salt, "priority": check_priority, "add_generation_prompt": check_template_option,
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,

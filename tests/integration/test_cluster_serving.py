@@ -293,8 +293,9 @@ def test_grpc_takes_the_chat_template_fields_as_http_does(cluster, openai_client
     ({"messages": MESSAGES, "chat_template_kwargs": "[1]"}, "chat_template_kwargs"),
     ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),  # with the generation prompt
     ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt"),  # no template without messages
-    ({"prompt": "hi", "chat_template_kwargs": "{}"}, "chat_template_kwargs")])
-def test_grpc_chat_template_fields_that_cannot_be_honoured_are_invalid_argument(cluster, fields, param):
+    ({"prompt": "hi", "chat_template_kwargs": "{}"}, "chat_template_kwargs"),
+    ({"prompt": "hi", "priority": 1}, "priority")])  # the default scheduling_policy: fcfs
+def test_grpc_fields_that_cannot_be_honoured_are_invalid_argument(cluster, fields, param):
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_stream(cluster.grpc_target, max_tokens=2, **fields))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(param)

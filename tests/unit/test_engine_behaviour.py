@@ -201,3 +201,56 @@ def test_an_engine_on_the_cpu_leaves_the_garbage_collector_as_it_was():
     frozen = gc.get_freeze_count()
     LLM(model="random:tiny-qwen3", device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert gc.get_freeze_count() == frozen
+
+
+# ---- scheduling_policy "priority" (vLLM's) ---------------------------------------------------
+
+def finish_order(llm, requests: list[EngineRequest]) -> list[str]:
+    for request in requests:
+        llm.engine.add_request(request)
+    order = []
+    while llm.engine.has_unfinished_requests():
+        order += [d.request_id for d in llm.engine.step() if d.finished]
+    return order
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_policy_runs_the_lowest_priority_value_first(async_scheduling):
+    llm = LLM(MODEL, max_num_seqs=1, scheduling_policy="priority", async_scheduling=async_scheduling)
+    ids = prompts(llm, 5)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    ranks = {"p5": 5, "p0-first": 0, "m3": -3, "p0-second": 0, "p9": 9}
+    order = finish_order(llm, [EngineRequest(name, ids[i], params, priority=rank)
+                               for i, (name, rank) in enumerate(ranks.items())])
+    assert order == ["m3", "p0-first", "p0-second", "p5", "p9"]
+    # the same requests under fcfs finish in arrival order
+    fcfs = LLM(MODEL, max_num_seqs=1, async_scheduling=async_scheduling)
+    assert finish_order(fcfs, [EngineRequest(name, ids[i], params) for i, name in enumerate(ranks)]) == list(ranks)
+
+
+def test_priority_policy_outputs_equal_fcfs_outputs_and_keep_the_prompts_order():
+    params = SamplingParams(max_tokens=8, temperature=0)
+    fcfs = LLM(MODEL, max_num_seqs=2)
+    ps = prompts(fcfs)
+    expected = [o.token_ids for o in fcfs.generate(prompt_token_ids=ps, sampling_params=params)]
+    by_priority = LLM(MODEL, max_num_seqs=2, scheduling_policy="priority")
+    got = by_priority.generate(prompt_token_ids=ps, sampling_params=params, priority=[3, 1, 2, 0, 5, 4])
+    assert [o.token_ids for o in got] == expected
+
+
+def test_priority_is_refused_under_fcfs_and_checked_under_priority():
+    llm = LLM(MODEL)
+    ids = prompts(llm, 2)
+    with pytest.raises(ValueError, match=r"priority is 2; this engine schedules first come, first served "
+                                         r"\(scheduling_policy 'fcfs'\)"):
+        llm.generate(prompt_token_ids=ids[:1], priority=[2])
+    assert llm.generate(prompt_token_ids=ids[:1], priority=[0], use_tqdm=False)[0].token_ids
+    by_priority = LLM(MODEL, scheduling_policy="priority")
+    for bad in (1.5, "1", True, 2**63):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            by_priority.generate(prompt_token_ids=ids[:1], priority=[bad])
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        by_priority.generate(prompt_token_ids=ids, priority=[1])
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, got 'lifo'"):
+        LLM(MODEL, scheduling_policy="lifo")
+    assert not by_priority.engine.has_unfinished_requests()  # nothing half-queued

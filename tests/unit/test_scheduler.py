@@ -6,6 +6,8 @@ blocks, finish requests that reached max_tokens. A plan is (request id, tokens c
 per scheduled request, in the order the runner receives them.
 """
 
+import pytest
+
 from kvmesh.hashing import block_hashes
 from kvmesh.protocol import BlockRemoved
 from kvmesh.sampling_params import SamplingParams
@@ -214,3 +216,87 @@ def test_after_eviction_only_the_surviving_prefix_hits():
     scheduler.add(c)
     assert run_step(scheduler) == [("c", 5, True)]
     assert c.block_ids == [0, 1, 5]  # 0 revived; then the never-cached 1 and the LRU cached 5
+
+
+# ---- the priority policy ---------------------------------------------------------------------
+
+def make_priority_scheduler(num_blocks: int = 16, max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, B), 64, max_num_seqs, policy="priority")
+
+
+def prioritized(request_id: str, priority: int, prompt: list[int], max_tokens: int = 1) -> Request:
+    request = make_request(request_id, prompt, max_tokens)
+    request.priority = priority
+    return request
+
+
+def test_an_unknown_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="policy must be fcfs or priority, got 'lifo'"):
+        Scheduler(BlockManager(4, B), 64, 8, policy="lifo")
+
+
+def test_fcfs_admits_in_arrival_order_whatever_the_priorities():
+    scheduler = make_scheduler(max_num_seqs=1)
+    for name, priority in (("a", 5), ("b", -1), ("c", 0)):
+        scheduler.add(prioritized(name, priority, tokens(0, 3)))
+    assert [step[0][0] for step in run_to_completion(scheduler)] == ["a", "b", "c"]
+
+
+def test_priority_admits_the_lowest_value_first_and_arrival_breaks_ties():
+    scheduler = make_priority_scheduler(max_num_seqs=1)
+    for name, priority in (("a", 5), ("b", 0), ("c", -2), ("d", 0), ("e", 5), ("f", -2)):
+        scheduler.add(prioritized(name, priority, tokens(10 * len(name), 3)))
+    assert waiting_ids(scheduler) == ["c", "f", "b", "d", "a", "e"]
+    assert [step[0][0] for step in run_to_completion(scheduler)] == ["c", "f", "b", "d", "a", "e"]
+
+
+def test_a_later_urgent_request_is_admitted_before_earlier_waiting_ones_but_preempts_no_one():
+    scheduler = make_priority_scheduler(max_num_seqs=1)
+    scheduler.add(prioritized("slow", 3, tokens(0, 3), max_tokens=3))
+    scheduler.add(prioritized("queued", 3, tokens(10, 3)))
+    assert run_step(scheduler) == [("slow", 3, True)]
+    scheduler.add(prioritized("urgent", -1, tokens(20, 3)))
+    # the running request keeps its slot; the urgent one goes ahead of the one queued before it
+    assert waiting_ids(scheduler) == ["urgent", "queued"]
+    plans = run_to_completion(scheduler)
+    assert [step[0][0] for step in plans] == ["slow", "slow", "urgent", "queued"]
+
+
+def test_out_of_blocks_the_lowest_priority_running_request_is_preempted_not_the_newest():
+    scheduler = make_priority_scheduler(num_blocks=4)
+    a = prioritized("a", 7, tokens(0, 7), max_tokens=5)  # admitted first, the lowest priority
+    b = prioritized("b", 1, tokens(100, 7), max_tokens=4)
+    scheduler.add(a)
+    assert run_step(scheduler) == [("a", 7, True)]
+    scheduler.add(b)
+    assert run_step(scheduler) == [("a", 1, True), ("b", 7, True)]
+    assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
+    # a's decode needs a fifth block: a gives way (fcfs would preempt b, the newest)
+    assert run_step(scheduler) == [("b", 1, True)]
+    assert (a.status, a.block_ids, a.num_preemptions, b.num_preemptions) == (RequestStatus.WAITING, [], 1, 0)
+    run_to_completion(scheduler)
+    assert (a.num_output_tokens, b.num_output_tokens, scheduler.num_preemptions) == (5, 4, 1)
+
+
+def test_a_preempted_request_goes_back_to_its_place_in_the_priority_order():
+    scheduler = make_priority_scheduler(num_blocks=4, max_num_seqs=2)
+    a = prioritized("a", 7, tokens(0, 7), max_tokens=4)
+    b = prioritized("b", 1, tokens(100, 7), max_tokens=4)
+    scheduler.add(a)
+    run_step(scheduler)
+    scheduler.add(b)
+    run_step(scheduler)
+    scheduler.add(prioritized("late-urgent", 0, tokens(200, 3)))
+    scheduler.add(prioritized("late-lax", 9, tokens(300, 3)))
+    run_step(scheduler)  # a preempted
+    assert waiting_ids(scheduler) == ["late-urgent", "a", "late-lax"]
+
+
+def test_priority_with_equal_priorities_schedules_exactly_as_fcfs():
+    def plans(scheduler):
+        for i in range(6):
+            scheduler.add(prioritized(f"r{i}", 0, tokens(50 * i, 5 + i), max_tokens=3 + i))
+        return run_to_completion(scheduler)
+
+    assert plans(make_priority_scheduler(num_blocks=10, max_num_seqs=3)) == \
+        plans(Scheduler(BlockManager(10, B), 64, 3))

@@ -22,7 +22,7 @@ def test_defaults_match_the_contract():
         "max_num_seqs": 64, "max_model_len": None, "kv_cache_memory_bytes": None,
         "gpu_memory_utilization": 0.9, "enable_prefix_caching": True, "attention_backend": "auto",
         "kv_cache_dtype": "auto", "enforce_eager": False, "torch_compile": False, "seed": 0,
-        "tensor_parallel_size": 1, "quantization": None}
+        "tensor_parallel_size": 1, "quantization": None, "scheduling_policy": "fcfs"}
     assert cfg["replicas"] == {
         "num_replicas": 1, "num_gpus": 1, "num_cpus": 1, "max_ongoing_requests": 64,
         "max_queued_requests": 1024, "engine_process": True, "resources": {},
