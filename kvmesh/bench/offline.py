@@ -59,6 +59,8 @@ def add_arguments(p) -> None:
                    help="GPUs the model is split over (the floor stays one GPU's)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: the linear layers' weights in FP8 (e4m3, per-tensor scales), as vLLM's")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="the engine's queue order (every prompt has priority 0, so the same schedule)")
     p.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the layers' work outside attention (compiled before the timed run)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
@@ -106,7 +108,8 @@ def engine_args(args) -> dict:
                 torch_compile=getattr(args, "torch_compile", False),
                 async_scheduling=getattr(args, "async_scheduling", None),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                quantization=getattr(args, "quantization", None))
+                quantization=getattr(args, "quantization", None),
+                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
 
 def run(args) -> int:
@@ -190,6 +193,7 @@ def run(args) -> int:
         "tensor_parallel_size": engine.config.tensor_parallel_size,
         # the floor stays the dtype model's (weights read at dtype bytes, bf16 matmul rate) with fp8 too
         "quantization": engine.config.quantization,
+        "scheduling_policy": engine.config.scheduling_policy,
         "structured_outputs": "none" if structured is None else "json",
         "text_each_step": text_each_step,
         # with ignore_eos only a complete grammar ends a request before its max_tokens
