@@ -5,7 +5,7 @@ string, or a list of messages whose content is a string or input_text / output_t
 `instructions` as a system message, `max_output_tokens`, `temperature`, `top_p`, `text.format`
 (text, json_object, json_schema: the chat's response_format), `user`, `stream`, the token logprobs
 of `include: ["message.output_text.logprobs"]` with `top_logprobs` alternatives, and vLLM's
-sampling fields (seed, stop, top_k, min_p, penalties). Function `tools`, `tool_choice` and
+sampling fields (seed, stop, top_k, min_p, penalties), `priority` and `cache_salt`. Function `tools`, `tool_choice` and
 `parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
 `function_call` / `function_call_output` input items are an assistant's tool calls and their tool
 messages. With the server's store on (`server.responses_store`, cluster/response_store.py),
@@ -41,10 +41,12 @@ logger = logging.getLogger("kvmesh.cluster")
 # Sampling fields of the chat API (vLLM's extensions included) passed through under their own names.
 SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
+# vLLM's request fields of /v1/responses that the chat takes as they are
+VLLM_EXTRAS = ("priority", "cache_salt")
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "store", "metadata", "user", "text", "tools", "tool_choice",
                     "parallel_tool_calls", "truncation", "previous_response_id", "reasoning", "include",
-                    "top_logprobs", "background", *SAMPLING_EXTRAS})
+                    "top_logprobs", "background", *SAMPLING_EXTRAS, *VLLM_EXTRAS})
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text"}
 MAX_METADATA_KEYS = 16  # OpenAI's limit
@@ -108,7 +110,7 @@ def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> di
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise _bad("max_output_tokens", "an integer of at least 1")
         chat["max_completion_tokens"] = limit
-    for name in ("temperature", "top_p", "user", *SAMPLING_EXTRAS):
+    for name in ("temperature", "top_p", "user", *SAMPLING_EXTRAS, *VLLM_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     if (fmt := _response_format(body.get("text"))) is not None:

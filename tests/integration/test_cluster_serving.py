@@ -936,6 +936,7 @@ def test_a_client_that_leaves_a_streamed_response_aborts_its_request_on_the_work
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.0.content.0.type"),
     ({"max_output_tokens": 10 ** 7}, "max_output_tokens"),  # beyond the context: the pipeline's check
+    ({"priority": 1}, "priority"), ({"cache_salt": ""}, "cache_salt"),  # the chat's checks (fcfs here)
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
     ({"frobnicate": 1}, "frobnicate")])
 def test_a_response_field_that_cannot_be_honoured_is_a_400_naming_it(cluster, openai_client, extra, param):

@@ -112,3 +112,6 @@ def test_any_64_bit_priority_is_accepted_under_the_priority_policy(cluster):
         status, body, _ = http(cluster.http_url + "/v1/completions",
                                {"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": priority})
         assert status == 200, (priority, body)
+    status, body, _ = http(cluster.http_url + "/v1/responses",
+                           {"model": MODEL, "input": "x", "max_output_tokens": 2, "priority": 7})
+    assert (status, body["status"]) == (200, "incomplete"), body

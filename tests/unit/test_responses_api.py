@@ -14,11 +14,13 @@ def test_input_string_instructions_and_limits_become_the_chat_request():
     chat = chat_body({"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 9,
                       "temperature": 0.5, "top_p": 0.9, "user": "u", "stream": True, "seed": 3,
                       "stop": ["\n"], "top_k": 4, "metadata": {"k": "v"}, "store": False,
-                      "tool_choice": "auto", "truncation": "disabled", "parallel_tool_calls": True})
+                      "tool_choice": "auto", "truncation": "disabled", "parallel_tool_calls": True,
+                      "priority": -2, "cache_salt": "tenant"})
     assert chat == {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
                                                {"role": "user", "content": "Hi"}],
                     "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "user": "u",
-                    "seed": 3, "stop": ["\n"], "top_k": 4, "stream": True}
+                    "seed": 3, "stop": ["\n"], "top_k": 4, "priority": -2, "cache_salt": "tenant",
+                    "stream": True}
     parse_request(chat, ChatCompletionRequest)  # a valid chat request
 
 
