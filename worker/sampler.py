@@ -47,7 +47,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
-def apply_bias_and_min_tokens(logits: torch.Tensor, requests, eos_token_ids) -> torch.Tensor:
+def constrain_logits(logits: torch.Tensor, requests, eos_token_ids) -> torch.Tensor:
     """A row with allowed_token_ids keeps only those logits; logit_bias added to each row's logits;
     a row's bad_words cannot be completed (worker/bad_words.py); a row with fewer than min_tokens
     output tokens cannot sample its stop_token_ids or EOS (unless ignore_eos). logits [N, V] float32, changed in place with one scatter each, on the logits'
@@ -194,7 +194,7 @@ class Sampler:
             return PendingSample(requests, tokens, None, None, None)
         logits = logits.float()
         if any(p.logit_bias or p.min_tokens or p.allowed_token_ids or p.bad_words for p in params):  # before penalties, as vLLM
-            logits = apply_bias_and_min_tokens(logits, requests, self.eos_token_ids)
+            logits = constrain_logits(logits, requests, self.eos_token_ids)
         for i, req in enumerate(requests):
             if params[i].uses_penalties:
                 logits[i] = apply_penalties(logits[i].clone(), params[i], req.prompt_token_ids, req.output_token_ids)

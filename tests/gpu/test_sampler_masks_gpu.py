@@ -1,6 +1,6 @@
 """vLLM's allowed_token_ids and bad_words on the GPU, per attention backend (with its CUDA graphs, the
 GPU default): the masks are torch ops on the sampler's logits (worker/sampler.py
-apply_bias_and_min_tokens, worker/bad_words.py), which keep a masked row off the fused Triton
+constrain_logits, worker/bad_words.py), which keep a masked row off the fused Triton
 sampler.
 
 1. allowed_token_ids, greedy and seeded at temperature 1.0, in a batch beside unmasked rows: every
@@ -26,7 +26,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.worker.attention.registry import BACKENDS as REGISTRY
 from kvmesh.worker.attention.registry import backend_spec, block_size_for
 from kvmesh.worker.bad_words import bad_word_token_ids
-from kvmesh.worker.sampler import Sampler, apply_bias_and_min_tokens
+from kvmesh.worker.sampler import Sampler, constrain_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -155,8 +155,8 @@ def fixed_logits() -> torch.Tensor:
 def test_gpu_masked_logits_equal_the_cpu_ones():
     rows = [row for row, _ in ROWS]
     logits = fixed_logits()
-    on_cpu = apply_bias_and_min_tokens(logits.clone(), rows, eos_token_ids=())
-    on_gpu = apply_bias_and_min_tokens(logits.cuda(), rows, eos_token_ids=()).cpu()
+    on_cpu = constrain_logits(logits.clone(), rows, eos_token_ids=())
+    on_gpu = constrain_logits(logits.cuda(), rows, eos_token_ids=()).cpu()
     expected = torch.ones(len(ROWS), VOCAB, dtype=torch.bool)
     for i, (_, finite) in enumerate(ROWS):
         expected[i, sorted(finite)] = False
@@ -174,7 +174,7 @@ def test_gpu_sampler_picks_the_masked_argmax():
     # row skipped there would pick its peak.
     rows = [row for row, _ in ROWS]
     logits = fixed_logits()
-    expected = apply_bias_and_min_tokens(logits.clone(), rows, eos_token_ids=()).argmax(dim=-1).tolist()
+    expected = constrain_logits(logits.clone(), rows, eos_token_ids=()).argmax(dim=-1).tolist()
     gpu = Sampler(torch.device("cuda")).sample(logits.cuda(), rows).token_ids
     cpu = Sampler(torch.device("cpu")).sample(logits.clone(), rows).token_ids
     assert gpu == cpu == expected

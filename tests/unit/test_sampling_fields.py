@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.worker.sampler import apply_bias_and_min_tokens
+from kvmesh.worker.sampler import constrain_logits
 
 MODEL = "random:tiny-llama"  # byte tokenizer: id 65 is "A", 257 "<|im_start|>", 258 EOS "<|im_end|>"
 A, IM_START, EOS = 65, 257, 258
@@ -86,7 +86,7 @@ def test_bias_and_min_tokens_mask_on_fixed_logits():
     rows = [Row(SamplingParams(logit_bias={1: 2.5, 2: -1.0}), 0),
             Row(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[3]), 1),
             Row(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[3]), 2)]
-    out = apply_bias_and_min_tokens(logits, rows, eos_token_ids={7})
+    out = constrain_logits(logits, rows, eos_token_ids={7})
     assert out[0].tolist() == [0, 2.5, -1.0, 0, 0, 0, 0, 0]
     assert out[1, 3] == float("-inf") and out[1, 7] == float("-inf") and out[1, :3].eq(0).all()
     assert out[2].eq(0).all()  # min_tokens reached: nothing masked
