@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-tokens", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(16, 64))
     parser.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this (default: the served model's)")
+    parser.add_argument("--urgent-share", type=float, default=0.0, metavar="F",
+                        help="send this share of the requests (a seeded draw) as urgent, with "
+                             "--urgent-priority, and report TTFT and TPOT per class (a cluster under "
+                             "engine.scheduling_policy priority runs them first)")
+    parser.add_argument("--urgent-priority", type=int, default=-1, metavar="P",
+                        help="the urgent requests' `priority` (default -1; 0 gives fcfs's baseline of "
+                             "the same classes)")
     parser.add_argument("--warmup", type=int, default=0, help="requests sent (and not measured) before the run")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--cpu-split", action="store_true",
@@ -78,11 +85,13 @@ def build_trace(args, rate: float | None = None, block_size: int = 16):
 
 
 async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int, sent: float,
-               session_key: str | None) -> dict:
+               session_key: str | None, priority: int | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if session_key:
         body["user"] = session_key
+    if priority:
+        body["priority"] = priority
     times, usage, status = [], None, 0
     async with session.post(url + "/v1/completions", json=body) as resp:
         status = resp.status
@@ -127,6 +136,7 @@ async def send_trace(url: str, workload, args, vocab_size: int, model: str) -> t
         if r.after is not None:
             followups.setdefault(r.after, []).append(r)
     first_turns = [r for r in reqs if r.after is None]
+    urgent = urgent_requests(reqs, getattr(args, "urgent_share", 0.0), args.seed)
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         for r in first_turns[: args.warmup]:
@@ -140,10 +150,11 @@ async def send_trace(url: str, workload, args, vocab_size: int, model: str) -> t
             sent = time.perf_counter()
             try:
                 result = await _one(session, url, model, prompts[r.request_id], r.output_len, sent,
-                                    r.session_key)
+                                    r.session_key, args.urgent_priority if r.request_id in urgent else None)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # counted as not ok, run goes on
                 result = _failed(0, repr(e), sent)
             result["request_id"], result["after"] = r.request_id, r.after
+            result["urgent"] = r.request_id in urgent
             results.append(result)
             for child in followups.get(r.request_id, ()):
                 asyncio.get_running_loop().call_later(child.think_time_s, release, child)
@@ -186,6 +197,16 @@ async def send_trace(url: str, workload, args, vocab_size: int, model: str) -> t
     return results, duration
 
 
+def urgent_requests(requests, share: float, seed: int) -> set:
+    """The request ids sent as urgent: each with probability `share`, a draw seeded by `seed`."""
+    import random
+
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--urgent-share must be in [0, 1], got {share}")
+    draw = random.Random(f"urgent-{seed}")
+    return {r.request_id for r in requests if draw.random() < share}
+
+
 def _pct(values, q):
     import numpy as np
 
@@ -196,18 +217,30 @@ def _generated(r: dict) -> int:
     return r["usage"]["completion_tokens"] if r["usage"] else len(r["token_times"])
 
 
-def summarize(results: list[dict], duration: float) -> dict:
-    ok = [r for r in results if r["status"] == 200 and r["token_times"]]
+def _latencies(ok: list[dict]) -> tuple[list[float], list[float]]:
+    """TTFT and TPOT of each request. A chunk may carry several tokens (a worker coalesces what
+    piled up), so TPOT divides by the tokens after the first one, from the usage, not by the chunks."""
     ttft = [r["token_times"][0] - r["sent"] for r in ok]
-    # A chunk may carry several tokens (a worker coalesces what piled up), so TPOT divides by the
-    # tokens after the first one, from the usage, not by the chunks.
     tpot = [(r["token_times"][-1] - r["token_times"][0]) / (_generated(r) - 1)
             for r in ok if _generated(r) > 1 and len(r["token_times"]) > 1]
+    return ttft, tpot
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if r["status"] == 200 and r["token_times"]]
+    ttft, tpot = _latencies(ok)
     itl = [b - a for r in ok for a, b in zip(r["token_times"], r["token_times"][1:])]
     prompt = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
     cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok if r["usage"])
     output = sum(r["usage"]["completion_tokens"] for r in ok if r["usage"])
-    return {
+    classes = {}
+    if any(r.get("urgent") for r in results):  # --urgent-share: each class's latencies apart
+        for name, urgent in (("urgent", True), ("normal", False)):
+            c_ttft, c_tpot = _latencies([r for r in ok if bool(r.get("urgent")) == urgent])
+            classes[name] = {"requests": sum(bool(r.get("urgent")) == urgent for r in results),
+                             "ok": len(c_ttft), "ttft_p50_s": _pct(c_ttft, 50), "ttft_p99_s": _pct(c_ttft, 99),
+                             "tpot_p50_s": _pct(c_tpot, 50), "tpot_p99_s": _pct(c_tpot, 99)}
+    summary = {
         "requests": len(results), "ok": len(ok), "duration_s": duration,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
@@ -217,6 +250,9 @@ def summarize(results: list[dict], duration: float) -> dict:
         "requests_per_s": len(ok) / duration if duration else 0.0,
         "prefix_hit_rate": cached / prompt if prompt else 0.0,
     }
+    if classes:
+        summary["classes"] = classes
+    return summary
 
 
 def served_model(url: str) -> tuple[str, int | None]:
@@ -407,6 +443,7 @@ def run(args) -> int:
     if args.rate and min(args.rate) <= 0:
         raise ValueError(f"--rate must be > 0, got {min(args.rate)}")
     rates = args.rate or [None]
+    urgent_requests([], args.urgent_share, args.seed)  # a share outside [0, 1] fails before any work
     if args.plot and len(rates) < 2:
         raise ValueError("--plot needs two or more --rate values (it draws against the offered rate)")
     rows = {}
@@ -444,6 +481,12 @@ def run(args) -> int:
             print(f"  {name} CPU per request / per streamed chunk: " + ", ".join(
                 f"{role} {v['ms_per_request']:.2f} ms / {v['us_per_chunk']:.0f} us"
                 for role, v in r["cpu_split"].items()))
+    for name, r in rows.items():
+        if "classes" in r:
+            print(f"  {name} by class: " + "; ".join(
+                f"{c} {v['ok']}/{v['requests']}: TTFT p50 {v['ttft_p50_s'] * 1e3:.1f} / p99 "
+                f"{v['ttft_p99_s'] * 1e3:.1f} ms, TPOT p50 {v['tpot_p50_s'] * 1e3:.1f} ms"
+                for c, v in r["classes"].items()))
     for name, r in rows.items():
         per_worker = ", ".join(f"{w}: {v['requests']} req, {v['preempted']} preempted, step {v['step_ms']:.1f} ms"
                                for w, v in sorted(r.get("workers", {}).items()))

@@ -41,6 +41,35 @@ def test_summary_percentiles_throughput_and_hit_rate():
     assert s["prefix_hit_rate"] == pytest.approx(50 / 300)
 
 
+def test_the_urgent_class_is_a_seeded_share_of_the_requests():
+    args = parse("--rate", "4", "--num-requests", "400")
+    requests = serve.build_trace(args, rate=4).requests
+    urgent = serve.urgent_requests(requests, 0.25, seed=0)
+    assert urgent == serve.urgent_requests(requests, 0.25, seed=0)
+    assert urgent != serve.urgent_requests(requests, 0.25, seed=1)
+    assert 60 < len(urgent) < 140 and urgent <= {r.request_id for r in requests}
+    assert serve.urgent_requests(requests, 0.0, seed=0) == set()
+    with pytest.raises(ValueError, match=r"--urgent-share must be in \[0, 1\], got 1.5"):
+        serve.run(parse("--rate", "1", "--urgent-share", "1.5"))
+
+
+def test_the_summary_splits_latencies_by_class_when_some_requests_are_urgent():
+    def result(sent, times, urgent):
+        return {"status": 200, "sent": sent, "end": times[-1], "token_times": times, "urgent": urgent,
+                "usage": {"prompt_tokens": 10, "completion_tokens": len(times),
+                          "prompt_tokens_details": {"cached_tokens": 0}}}
+
+    rows = [result(0.0, [0.1, 0.2], True), result(0.0, [0.9, 1.2], False), result(1.0, [1.05, 1.1], True),
+            {"status": 429, "sent": 2.0, "end": 2.0, "token_times": [], "usage": None, "urgent": False}]
+    s = serve.summarize(rows, duration=2.0)
+    assert s["classes"]["urgent"]["ttft_p50_s"] == pytest.approx(0.075)
+    assert (s["classes"]["urgent"]["ok"], s["classes"]["urgent"]["requests"]) == (2, 2)
+    assert s["classes"]["normal"]["ttft_p50_s"] == pytest.approx(0.9)
+    assert (s["classes"]["normal"]["ok"], s["classes"]["normal"]["requests"]) == (1, 2)
+    assert s["classes"]["normal"]["tpot_p50_s"] == pytest.approx(0.3)
+    assert "classes" not in serve.summarize([{**r, "urgent": False} for r in rows], duration=2.0)
+
+
 def test_a_load_shape_is_required():
     with pytest.raises(ValueError, match="--rate"):
         serve.run(parse())
