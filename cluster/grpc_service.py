@@ -33,6 +33,7 @@ from kvmesh.cluster.auth import bearer_token, grpc_authorization
 from kvmesh.cluster.grpc_fields import (GrpcAsk, ResponseShape, chat_messages, chat_template_options,
                                         prompt_logprobs_asked, read_ask)
 from kvmesh.cluster.openai_protocol import ApiError, new_id
+from kvmesh.cluster.openai_request import checked_truncation
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt
 from kvmesh.cluster.status import cluster_health
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -90,20 +91,26 @@ def generation_request(request: pb.GenerateRequest, arrival: float, engine_id: s
     max_tokens defaults to 16 (or the output budget, if smaller). `ask`: what read_ask read of it
     (its constraint, built once; its tools, rendered into the chat with `tokenizer`)."""
     ask = ask or GrpcAsk()
+    truncate = checked_truncation(request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens")
+                                  else None)
     if request.messages:
         messages, template_tools = chat_messages(request, ask.tools, tokenizer)
         prompt = Prompt("messages", messages=messages, tools=template_tools,
-                        template=chat_template_options(request, tokenizer, messages))
+                        template=chat_template_options(request, tokenizer, messages), truncate=truncate)
     elif request.prompt:
-        prompt = Prompt("prompt", text=request.prompt)
+        prompt = Prompt("prompt", text=request.prompt, truncate=truncate)
     else:
-        prompt = Prompt("prompt_token_ids", token_ids=list(request.prompt_token_ids))
+        prompt = Prompt("prompt_token_ids", token_ids=list(request.prompt_token_ids), truncate=truncate)
+    if request.HasField("cache_salt") and not request.cache_salt:
+        raise ApiError(400, "cache_salt: an empty salt; leave it out or give a non-empty string",
+                       param="cache_salt")
     structured = ask.structured.spec if ask.structured is not None else None
     return GenerationRequest(
         prompt, lambda budget: sampling_from_proto(request, min(16, budget), structured),
         max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
         model=request.model, session_key=request.session_id or None, request_id=engine_id,
-        arrival=arrival, priority=request.priority)
+        arrival=arrival, priority=request.priority,
+        cache_salt=request.cache_salt if request.HasField("cache_salt") else None)
 
 
 def _caller(service, grpc_context) -> str:

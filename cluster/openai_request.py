@@ -72,8 +72,11 @@ def prompts_of(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
 
 
 def truncation(req) -> int | None:
-    """truncate_prompt_tokens (vLLM's): None, -1, or k >= 1 last tokens kept."""
-    k = req.truncate_prompt_tokens
+    return checked_truncation(req.truncate_prompt_tokens)
+
+
+def checked_truncation(k: int | None) -> int | None:
+    """truncate_prompt_tokens (vLLM's; HTTP and gRPC): None, -1, or k >= 1 last tokens kept."""
     if k is not None and k != -1 and k < 1:
         raise ApiError(400, "truncate_prompt_tokens: -1 (as many as the server takes) or at least 1",
                        param="truncate_prompt_tokens")

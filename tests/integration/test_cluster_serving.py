@@ -294,11 +294,44 @@ def test_grpc_takes_the_chat_template_fields_as_http_does(cluster, openai_client
     ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),  # with the generation prompt
     ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt"),  # no template without messages
     ({"prompt": "hi", "chat_template_kwargs": "{}"}, "chat_template_kwargs"),
-    ({"prompt": "hi", "priority": 1}, "priority")])  # the default scheduling_policy: fcfs
+    ({"prompt": "hi", "priority": 1}, "priority"),  # the default scheduling_policy: fcfs
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens")])
 def test_grpc_fields_that_cannot_be_honoured_are_invalid_argument(cluster, fields, param):
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_stream(cluster.grpc_target, max_tokens=2, **fields))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(param)
+
+
+def test_grpc_cache_salt_shares_cached_blocks_only_under_the_same_salt(cluster):
+    import uuid
+
+    salt = f"grpc-{uuid.uuid4().hex}"
+
+    def cached(**fields) -> int:
+        *_, last = grpc_stream(cluster.grpc_target, prompt="salted over gRPC " * 30, max_tokens=1, **fields)
+        return last.usage.cached_tokens
+
+    cached(cache_salt=salt)  # computes and caches its blocks under the salt
+    assert cached(cache_salt=salt) > 0
+    assert cached(cache_salt=salt + "-other") == 0
+    assert cached() == 0
+
+
+def test_grpc_truncate_prompt_tokens_keeps_the_last_tokens_as_http_does(cluster):
+    ids = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+    msgs = list(grpc_stream(cluster.grpc_target, prompt_token_ids=ids, truncate_prompt_tokens=4,
+                            max_tokens=6, temperature=0))
+    assert msgs[-1].usage.prompt_tokens == 4
+    alone = list(grpc_stream(cluster.grpc_target, prompt_token_ids=ids[-4:], max_tokens=6, temperature=0))
+    assert [t for m in msgs for t in m.token_ids] == [t for m in alone for t in m.token_ids]
+    status, body, _ = post(cluster, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6,
+                                                         "temperature": 0, "truncate_prompt_tokens": 4})
+    assert status == 200 and body["choices"][0]["text"] == "".join(m.text for m in msgs)
+    whole = list(grpc_stream(cluster.grpc_target, prompt_token_ids=ids, truncate_prompt_tokens=-1,
+                             max_tokens=1, temperature=0))
+    assert whole[-1].usage.prompt_tokens == len(ids)
 
 
 def test_grpc_errors_have_status_codes(cluster):
