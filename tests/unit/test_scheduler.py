@@ -300,3 +300,21 @@ def test_priority_with_equal_priorities_schedules_exactly_as_fcfs():
 
     assert plans(make_priority_scheduler(num_blocks=10, max_num_seqs=3)) == \
         plans(Scheduler(BlockManager(10, B), 64, 3))
+
+
+def test_a_victim_scheduled_earlier_in_the_step_is_taken_back_and_the_urgent_request_runs():
+    scheduler = make_priority_scheduler(num_blocks=4)
+    lax = prioritized("lax", 5, tokens(0, 5), max_tokens=5)  # admitted first: first in the running list
+    urgent = prioritized("urgent", 0, tokens(100, 7), max_tokens=4)
+    scheduler.add(lax)
+    assert run_step(scheduler) == [("lax", 5, True)]
+    scheduler.add(urgent)
+    assert run_step(scheduler) == [("lax", 1, True), ("urgent", 7, True)]
+    assert run_step(scheduler) == [("lax", 1, True), ("urgent", 1, True)]
+    # lax's next token still fits its two blocks and is scheduled first; urgent's needs a fifth
+    # block: lax, the lowest priority, is taken back out of this step and preempted
+    assert run_step(scheduler) == [("urgent", 1, True)]
+    assert (lax.status, lax.block_ids, lax.num_preemptions, urgent.num_preemptions) == (
+        RequestStatus.WAITING, [], 1, 0)
+    run_to_completion(scheduler)
+    assert (lax.num_output_tokens, urgent.num_output_tokens) == (5, 4)
