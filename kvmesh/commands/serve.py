@@ -29,6 +29,11 @@ def register(subparsers) -> None:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                    help="each worker's queue order (engine.scheduling_policy): fcfs, or priority by "
                         "the requests' `priority` field (lower first)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N",
+                   help="requests each worker runs at once (engine.max_num_seqs)")
+    p.add_argument("--max-ongoing-requests", type=int, metavar="N",
+                   help="requests each worker accepts at once, running or queued in its engine "
+                        "(replicas.max_ongoing_requests)")
     p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this bearer token (repeat for several; adds to server.api_keys; "
@@ -87,6 +92,10 @@ def load_with_overrides(args):
         cfg["server"]["responses_store"] = args.responses_store
     if getattr(args, "scheduling_policy", None):
         cfg["engine"]["scheduling_policy"] = args.scheduling_policy
+    if getattr(args, "max_num_seqs", None) is not None:
+        cfg["engine"]["max_num_seqs"] = args.max_num_seqs
+    if getattr(args, "max_ongoing_requests", None) is not None:
+        cfg["replicas"]["max_ongoing_requests"] = args.max_ongoing_requests
     for key in getattr(args, "api_key", None) or []:
         if key not in cfg["server"]["api_keys"]:
             cfg["server"]["api_keys"].append(key)
