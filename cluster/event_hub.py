@@ -102,8 +102,14 @@ def get_or_create_hub(app_name: str):
 
 
 def kill_hub(app_name: str) -> bool:
+    return kill_named(hub_name(app_name))
+
+
+def kill_named(name: str) -> bool:
+    """Kill the detached actor of that name in NAMESPACE (the hub, the response store); False when
+    there is none."""
     try:
-        actor = ray.get_actor(hub_name(app_name), namespace=NAMESPACE)
+        actor = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return False
     ray.kill(actor, no_restart=True)

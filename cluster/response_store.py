@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import ray
 
-from kvmesh.cluster.event_hub import NAMESPACE
+from kvmesh.cluster.event_hub import NAMESPACE, kill_named
 
 
 def store_name(app_name: str) -> str:
@@ -155,9 +155,4 @@ def get_or_create_store(app_name: str):
 
 
 def kill_store(app_name: str) -> bool:
-    try:
-        actor = ray.get_actor(store_name(app_name), namespace=NAMESPACE)
-    except ValueError:
-        return False
-    ray.kill(actor, no_restart=True)
-    return True
+    return kill_named(store_name(app_name))
