@@ -268,8 +268,10 @@ def test_a_grpc_client_that_reads_nothing_times_out_and_then_gets_what_was_queue
     async def main():
         servicer = StreamingServicer(after_timeout)
         async with grpc_stream(servicer, timeout_s=60) as call:
-            await call.read()  # one message, then nothing
+            # from before the first read: the server's write may start waiting before that read
+            # returns (one event loop runs both; under load, a while before), never before the call
             started = time.monotonic()
+            await call.read()  # one message, then nothing
             while not servicer.timeouts:
                 assert time.monotonic() - started < GRPC_TIMEOUT_S + 20, "no timeout"
                 await asyncio.sleep(0.05)
