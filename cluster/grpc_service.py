@@ -101,9 +101,6 @@ def generation_request(request: pb.GenerateRequest, arrival: float, engine_id: s
         prompt = Prompt("prompt", text=request.prompt, truncate=truncate)
     else:
         prompt = Prompt("prompt_token_ids", token_ids=list(request.prompt_token_ids), truncate=truncate)
-    if request.HasField("cache_salt") and not request.cache_salt:
-        raise ApiError(400, "cache_salt: an empty salt; leave it out or give a non-empty string",
-                       param="cache_salt")
     structured = ask.structured.spec if ask.structured is not None else None
     return GenerationRequest(
         prompt, lambda budget: sampling_from_proto(request, min(16, budget), structured),

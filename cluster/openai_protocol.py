@@ -141,9 +141,6 @@ def parse_request(body: Any, cls: type[_Request]) -> _Request:
         raise ApiError(400, f"{param}: {err['msg']}", param=param) from None
     check_choices(body, req)
     _check_stream_options(req)
-    if req.cache_salt is not None and not req.cache_salt:
-        raise ApiError(400, "cache_salt: an empty salt; leave it out or give a non-empty string",
-                       param="cache_salt")
     return req
 
 

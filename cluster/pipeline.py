@@ -114,6 +114,9 @@ class RequestPipeline:
         fe, prompt = self.frontend, request.prompt
         fe.check_model(request.model)
         self._check_priority(request.priority)
+        if request.cache_salt is not None and not request.cache_salt:
+            raise ApiError(400, "cache_salt: an empty salt; leave it out or give a non-empty string",
+                           param="cache_salt")
         prompt_ids = await self._prompt_ids(prompt)
         if prompt.truncate is not None:
             prompt_ids = prompt_ids[-await self._kept_tokens(prompt.truncate):]
