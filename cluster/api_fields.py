@@ -51,8 +51,6 @@ REFUSED: dict[str, Refused] = {
     "prediction": _refused("predicted outputs are not supported", {CHAT}),
     "reasoning_effort": _refused("reasoning effort is not supported", {CHAT}),
     "verbosity": _refused("verbosity is not supported", {CHAT}),
-    "prompt_cache_key": _refused("prompt_cache_key is not supported (kvmesh routes on the prompt's "
-                                 "cached blocks; `user` or the session header set a session key)"),
     "safety_identifier": _refused("safety_identifier is not supported"),
     # vLLM's chat template and prompt handling
     "add_special_tokens": _refused("add_special_tokens is not supported (prompts are tokenized "

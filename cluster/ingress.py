@@ -42,7 +42,7 @@ from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, Com
 from kvmesh.cluster.openai_choices import StreamChoices, chosen_sequences, whole_body
 from kvmesh.cluster.openai_echo import echo_for
 from kvmesh.cluster.openai_request import (chat_echo_text, max_tokens_param, prompts_of, response_role,
-                                           sampling_params_with, template_options)
+                                           sampling_params_with, session_key, template_options)
 from kvmesh.cluster.openai_responses import Shaper
 from kvmesh.cluster.openai_sse import SseResponse, sse_body, sse_tool_body
 from kvmesh.cluster import responses_api
@@ -407,7 +407,7 @@ class Ingress(GrpcService, HealthService):
                 prompt, functools.partial(sampling_params_with, req, structured),
                 max_tokens=getattr(req, max_tokens_param(req)),
                 max_tokens_param=max_tokens_param(req), model=req.model,
-                session_key=request.headers.get(self.config.routing.session_header) or req.user,
+                session_key=session_key(request, self.config.routing.session_header, req),
                 arrival=arrival, cache_salt=req.cache_salt, priority=req.priority)) for prompt in prompts]
             token_decode = token_id_name if req.return_tokens_as_token_ids else self.frontend.decode_token
             shaper = Shaper(kind, new_id("chatcmpl" if kind == "chat" else "cmpl"),

@@ -54,6 +54,9 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None
+    # OpenAI's routing hint for cached prompts: the session key of the `session` routing policy,
+    # before `user` (the session header comes first)
+    prompt_cache_key: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

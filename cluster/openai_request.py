@@ -43,6 +43,12 @@ def chat_echo_text(req) -> str:
     return chat_prompt_text([last])[0].get("content") or ""
 
 
+def session_key(request, header: str, req) -> str | None:
+    """The session routing policy's key: the session header, else OpenAI's `prompt_cache_key`,
+    else `user` (None: the policy keys on the prompt's first block)."""
+    return request.headers.get(header) or req.prompt_cache_key or req.user
+
+
 def max_tokens_param(req) -> str:
     return ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
             else "max_tokens")

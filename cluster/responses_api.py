@@ -44,7 +44,7 @@ SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "pres
 # vLLM's request fields of /v1/responses that the chat takes as they are
 VLLM_EXTRAS = ("priority", "cache_salt")
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
-                    "stream", "store", "metadata", "user", "text", "tools", "tool_choice",
+                    "stream", "store", "metadata", "user", "prompt_cache_key", "text", "tools", "tool_choice",
                     "parallel_tool_calls", "truncation", "previous_response_id", "reasoning", "include",
                     "top_logprobs", "background", *SAMPLING_EXTRAS, *VLLM_EXTRAS})
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -110,7 +110,7 @@ def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> di
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise _bad("max_output_tokens", "an integer of at least 1")
         chat["max_completion_tokens"] = limit
-    for name in ("temperature", "top_p", "user", *SAMPLING_EXTRAS, *VLLM_EXTRAS):
+    for name in ("temperature", "top_p", "user", "prompt_cache_key", *SAMPLING_EXTRAS, *VLLM_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     if (fmt := _response_format(body.get("text"))) is not None:

@@ -74,7 +74,7 @@ class RoutingSection(_Strict):
     ingress_replicas: int = Field(1, ge=1, description="Ingress (HTTP/gRPC front end) replicas; each holds its own router copy fed by the same KV event stream.")
     temperature: float = Field(0.0, ge=0, description="kv_events: softmax temperature over costs (0 = always the cheapest worker).")
     policy_options: dict[str, Any] = Field(default_factory=dict, description="The policy's own options, by name (docs/ROUTING.md \"Policies\"): kv_events takes weights (a mapping of the cost weights, e.g. {stay_margin: 4096}) and pending_requests; prefix_approx max_blocks_per_worker, cache_threshold, balance_abs, balance_rel; session virtual_nodes; an option the policy does not take is refused by name.")
-    session_header: str = Field("x-session-id", description="session policy: HTTP header (or the OpenAI `user` field) that keys a session.")
+    session_header: str = Field("x-session-id", description="session policy: HTTP header that keys a session (else OpenAI's `prompt_cache_key`, else `user`).")
     event_poll_timeout_s: float = Field(1.0, gt=0, description="Longest wait of one router copy's long poll for KV events.")
     load_report_interval_s: float = Field(0.05, gt=0, le=1.0, description="How often a busy worker reports its load to the routers (at most 1 s: an idle worker reports every second, and a router ranks a worker whose reports stop changing for 3 s last).")
 

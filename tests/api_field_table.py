@@ -49,7 +49,7 @@ ROWS = [
     Row("logprobs", 2, "check", (COMPLETION,), source="openai"),
     Row("n", 2, "check", source="openai"),
     Row("service_tier", "flex", "refused", source="openai"),
-    Row("prompt_cache_key", "k", "refused", source="openai"),
+    Row("prompt_cache_key", "k", "check", source="openai"),
     Row("safety_identifier", "s", "refused", source="openai"),
     # ---- OpenAI, completions ----
     Row("prompt", [[72, 105], [72, 111]], "check", (COMPLETION,), source="openai"),

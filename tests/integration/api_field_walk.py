@@ -106,8 +106,9 @@ def check_stream_options(url, kind, row):
 
 
 def check_user(url, kind, row):
-    # `user` is the session routing key (routing.policy session); the answer is the same
-    assert outcome(answer(url, kind, user=row.value), kind) == outcome(answer(url, kind), kind)
+    # `user` and `prompt_cache_key` are session routing keys (routing.policy session; where they
+    # route: tests/integration/test_session_routing.py); the answer is the same
+    assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
 
 
 def check_completion_logprobs(url, kind, row):
@@ -356,7 +357,7 @@ CHECKS = {
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
-    "stream": check_stream, "stream_options": check_stream_options, "user": check_user,
+    "stream": check_stream, "stream_options": check_stream_options, "user": check_user, "prompt_cache_key": check_user,
     "prompt": check_prompts, "messages": check_messages,
     ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,
     "top_logprobs": check_chat_logprobs,

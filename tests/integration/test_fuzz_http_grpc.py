@@ -36,6 +36,7 @@ FUZZ_SETTINGS = settings(max_examples=HTTP_EXAMPLES, deadline=None, derandomize=
 # Fields a 4xx may name (OpenAI request fields, nested paths start with one of them).
 HTTP_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
                "top_p", "top_k", "min_p", "seed", "stop", "n", "stream", "stream_options", "user",
+               "prompt_cache_key",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                "logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "best_of",
                "suffix", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
@@ -118,7 +119,7 @@ FIELDS = {
     | st.integers(60, 5000).map(lambda n: [f"s{i}" for i in range(n)]),
     "n": st.integers(-1, 3) | json_value, "stream": st.booleans() | json_value,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_value,
-    "user": any_text | json_value, "ignore_eos": st.booleans() | json_value,
+    "user": any_text | json_value, "prompt_cache_key": any_text | json_value, "ignore_eos": st.booleans() | json_value,
     "logprobs": st.integers(-1, 25) | st.booleans() | json_value,
     "tools": json_value, "logit_bias": json_value, "echo": st.booleans() | json_value,
     "max_completion_tokens": st.integers(-1, MAX_OUTPUT + 2) | json_value,
@@ -158,7 +159,7 @@ input_item = st.fixed_dictionaries(
 RESPONSES_FIELDS = {
     **{name: FIELDS[name] for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                        "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                       "stream", "user", "tools", "tool_choice")},
+                                       "stream", "user", "prompt_cache_key", "tools", "tool_choice")},
     "instructions": any_text | json_value,
     "max_output_tokens": st.integers(-1, MAX_OUTPUT + 2) | json_value,
     "metadata": st.dictionaries(any_text, any_text, max_size=3) | json_value,
