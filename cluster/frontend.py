@@ -129,7 +129,7 @@ class Frontend:
     async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         await self._check_chars(len(text), "prompt")
         return await self._tokenize(len(text), self.tokenizer.encode, text,
-                                    add_special_tokens=add_special_tokens)  # False: as kvmesh.LLM.generate
+                                    add_special_tokens=add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
         """Token ids as text (special tokens kept, as vLLM's /detokenize); off the loop when long."""

@@ -128,7 +128,8 @@ def chat_template_options(request: pb.GenerateRequest, tokenizer, messages: list
             raise ApiError(400, "chat_template_kwargs: a JSON object", param="chat_template_kwargs")
     ask = SimpleNamespace(
         add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
-        continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs)
+        continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs,
+        add_special_tokens=request.add_special_tokens)  # unset: false, as on chat
     return template_options(ask, tokenizer, messages)
 
 

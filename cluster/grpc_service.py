@@ -98,7 +98,8 @@ def generation_request(request: pb.GenerateRequest, arrival: float, engine_id: s
         prompt = Prompt("messages", messages=messages, tools=template_tools,
                         template=chat_template_options(request, tokenizer, messages), truncate=truncate)
     elif request.prompt:
-        prompt = Prompt("prompt", text=request.prompt, truncate=truncate)
+        prompt = Prompt("prompt", text=request.prompt, truncate=truncate,
+                        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else True)
     else:
         prompt = Prompt("prompt_token_ids", token_ids=list(request.prompt_token_ids), truncate=truncate)
     structured = ask.structured.spec if ask.structured is not None else None

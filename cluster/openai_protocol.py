@@ -121,6 +121,9 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the final message's content leads the answer when its role is the answer's
+    # vLLM's: the tokenizer's special tokens (e.g. BOS) around the rendered template; off, as
+    # vLLM's chat (the template writes its own)
+    add_special_tokens: bool = False
 
 
 class CompletionRequest(_Request):
@@ -129,6 +132,9 @@ class CompletionRequest(_Request):
     echo: bool = False  # the prompt leads the text (and its logprobs): cluster/openai_echo.py
     prompt_logprobs: int | None = None  # vLLM's
     best_of: int | None = None  # cluster/openai_choices.py
+    # vLLM's: a text prompt tokenized with the tokenizer's special tokens (e.g. Llama's BOS), as
+    # vLLM's completions (on by default); token-id prompts are taken as they are
+    add_special_tokens: bool = True
 
 
 def parse_request(body: Any, cls: type[_Request]) -> _Request:

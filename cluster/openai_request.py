@@ -12,11 +12,13 @@ from kvmesh.worker.chat_template import TemplateOptions
 
 def template_options(req, tokenizer, messages: list[dict]) -> TemplateOptions:
     """How a chat request (or /tokenize's) applies the chat template: add_generation_prompt,
-    continue_final_message, chat_template_kwargs; ApiError(400) naming the field of a bad one.
+    continue_final_message, chat_template_kwargs, add_special_tokens; ApiError(400) naming the
+    field of a bad one.
     A kwarg's value is the template's own text once rendered: it may hold no control token."""
     kwargs = getattr(req, "chat_template_kwargs", None) or {}
     try:
-        options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, dict(kwargs))
+        options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, dict(kwargs),
+                                  req.add_special_tokens)
     except ValueError as e:
         param = str(e).split(":", 1)[0]
         raise ApiError(400, str(e), param=param) from None
@@ -66,15 +68,15 @@ def prompts_of(req, kind: str, tools=None, tokenizer=None) -> list[Prompt]:
                                                tokenizer)
         return [Prompt("messages", messages=messages, tools=template_tools,
                        template=template_options(req, tokenizer, messages), truncate=truncation(req))]
-    prompt, truncate = req.prompt, truncation(req)
+    prompt, truncate, special = req.prompt, truncation(req), req.add_special_tokens
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-        return [one_prompt(prompt, "prompt", truncate)]
+        return [one_prompt(prompt, "prompt", truncate, special)]
     if len(prompt) > MAX_PROMPTS_PER_REQUEST:
         raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; the limit is "
                        f"{MAX_PROMPTS_PER_REQUEST}", param="prompt")
     if len(prompt) == 1:
-        return [one_prompt(prompt[0], "prompt", truncate)]
-    return [one_prompt(p, f"prompt.{i}", truncate) for i, p in enumerate(prompt)]
+        return [one_prompt(prompt[0], "prompt", truncate, special)]
+    return [one_prompt(p, f"prompt.{i}", truncate, special) for i, p in enumerate(prompt)]
 
 
 def truncation(req) -> int | None:
@@ -89,9 +91,9 @@ def checked_truncation(k: int | None) -> int | None:
     return k
 
 
-def one_prompt(prompt, param: str, truncate: int | None = None) -> Prompt:
+def one_prompt(prompt, param: str, truncate: int | None = None, add_special_tokens: bool = True) -> Prompt:
     if isinstance(prompt, str):
-        return Prompt(param, text=prompt, truncate=truncate)
+        return Prompt(param, text=prompt, truncate=truncate, add_special_tokens=add_special_tokens)
     return Prompt(param, token_ids=list(prompt), truncate=truncate)
 
 

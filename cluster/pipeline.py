@@ -55,6 +55,9 @@ class Prompt:
     # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens once tokenized (-1: as
     # many as the server takes, limits.max_prompt_tokens or max_model_len - 1)
     truncate: int | None = None
+    # a text prompt tokenized with the tokenizer's special tokens (e.g. BOS): vLLM's
+    # add_special_tokens, on for completions; a chat's is in `template`
+    add_special_tokens: bool = False
 
 
 @dataclass
@@ -157,7 +160,7 @@ class RequestPipeline:
         if prompt.messages is not None:
             return await self.frontend.encode_chat(prompt.messages, prompt.tools, prompt.template)
         if prompt.text is not None:
-            return await self.frontend.encode_text(prompt.text)
+            return await self.frontend.encode_text(prompt.text, prompt.add_special_tokens)
         return list(prompt.token_ids or [])
 
     # ---- on the workers ------------------------------------------------------------------------

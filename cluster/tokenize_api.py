@@ -1,8 +1,8 @@
 """vLLM's /tokenize and /detokenize request and response shapes.
 
 /tokenize takes a `prompt` (tokenized as /v1/completions tokenizes it) or chat `messages` (as
-/v1/chat/completions does, with its add_generation_prompt, continue_final_message and
-chat_template_kwargs), so `count` is the `prompt_tokens` those endpoints report for the same input. Unknown fields and values kvmesh does not implement are a 400
+/v1/chat/completions does, with its add_generation_prompt, continue_final_message,
+chat_template_kwargs and add_special_tokens), so `count` is the `prompt_tokens` those endpoints report for the same input. Unknown fields and values kvmesh does not implement are a 400
 naming them, as on the completions endpoints.
 """
 
@@ -21,7 +21,7 @@ class TokenizeCompletion(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = False  # vLLM's default is True; kvmesh's completions add none
+    add_special_tokens: bool = True  # as /v1/completions (and vLLM's /tokenize)
     return_token_strs: bool = False
 
 
@@ -32,6 +32,7 @@ class TokenizeChat(BaseModel):
     add_generation_prompt: bool = True  # these three as on chat (openai_request.template_options)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # as on chat (and vLLM's /tokenize with messages)
     return_token_strs: bool = False
 
 

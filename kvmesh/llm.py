@@ -46,10 +46,12 @@ class LLM:
 
     # ---- prompts -----------------------------------------------------------------------------
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids, with the tokenizer's special tokens (e.g. Llama's BOS) unless
+        add_special_tokens is False: as vLLM's LLM.generate and /v1/completions tokenize it."""
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

@@ -28,10 +28,13 @@ class TemplateOptions:
     """How the chat template is applied (vLLM's chat fields of the same names):
     add_generation_prompt appends the assistant's turn opener; continue_final_message ends the
     prompt right after the final message's content (no end-of-turn), so the model continues it;
-    kwargs are the template's own variables (e.g. Qwen3's enable_thinking)."""
+    kwargs are the template's own variables (e.g. Qwen3's enable_thinking); add_special_tokens
+    puts the tokenizer's own special tokens (e.g. Llama's BOS) around the rendered template, as
+    tokenizing its text with them would (vLLM renders, then tokenizes with this flag)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    add_special_tokens: bool = False
 
     def __post_init__(self):
         if self.add_generation_prompt and self.continue_final_message:
@@ -60,7 +63,8 @@ def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool
             raise ValueError("continue_final_message: the final message needs text content to continue")
         extra["continue_final_message"] = True
     if special_tokens_in_content:
-        return _ids(tokenizer.apply_chat_template(messages, tokenize=True, **extra))
+        ids = _ids(tokenizer.apply_chat_template(messages, tokenize=True, **extra))
+        return with_special_tokens(tokenizer, ids) if options.add_special_tokens else ids
     # A random marker cannot occur in the content by chance or by a caller's design.
     marker = f"kvmeshcontent{secrets.token_hex(8)}n"
     placeholders = [dict(m, content=f"{marker}{i}{marker}") if isinstance(m.get("content"), str) else m
@@ -84,7 +88,20 @@ def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool
             else:
                 text.append(part)
     ids.extend(_encode_text(tokenizer, text))
-    return ids
+    return with_special_tokens(tokenizer, ids) if options.add_special_tokens else ids
+
+
+def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` with the special tokens the tokenizer adds to a text when asked for them (its post
+    processor's: e.g. Llama 3's BOS before; nothing for Qwen's or GPT-2's), found by tokenizing a
+    probe text with and without them."""
+    bare = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i] + list(ids) + full[i + len(bare):]
+    raise ValueError("add_special_tokens: the tokenizer changes a text's own tokens when it adds "
+                     "its special tokens, so they cannot be added to a rendered chat")
 
 
 def _special_tokens(tokenizer) -> dict[str, int]:

@@ -111,6 +111,10 @@ def check_user(url, kind, row):
     assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
 
 
+def check_same_answer(url, kind, row):
+    assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
+
+
 def check_completion_logprobs(url, kind, row):
     logprobs = answer(url, kind, logprobs=row.value)["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) > 0
@@ -357,7 +361,7 @@ CHECKS = {
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
-    "stream": check_stream, "stream_options": check_stream_options, "user": check_user, "prompt_cache_key": check_user,
+    "stream": check_stream, "stream_options": check_stream_options, "user": check_user, "prompt_cache_key": check_user, "add_special_tokens": check_same_answer,
     "prompt": check_prompts, "messages": check_messages,
     ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,
     "top_logprobs": check_chat_logprobs,

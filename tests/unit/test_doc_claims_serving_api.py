@@ -161,8 +161,9 @@ def test_a_model_card_is_served_under_the_path_the_model_was_given_as(tmp_path):
     assert missing.status_code == 404 and body_of(missing)["error"]["code"] == "model_not_found"
 
 
-def test_tokenize_adds_no_special_tokens_unless_asked_as_completions_tokenize():
-    """API fields: "`add_special_tokens` defaults to false there; vLLM's default is true"."""
+def test_tokenize_adds_special_tokens_to_a_prompt_unless_asked_not_to_as_completions_tokenize():
+    """API fields: "`add_special_tokens` defaults to true for a prompt and false for messages, as
+    there and as vLLM's"."""
     ing = ingress()
     calls = []
     real_encode = ing.frontend.tokenizer.encode
@@ -173,25 +174,28 @@ def test_tokenize_adds_no_special_tokens_unless_asked_as_completions_tokenize():
 
     ing.frontend.tokenizer.encode = encode
     plain = body_of(asyncio.run(ing.tokenize(http_request({"model": MODEL, "prompt": "Hello"}))))
-    asked = body_of(asyncio.run(ing.tokenize(http_request({"model": MODEL, "prompt": "Hello",
-                                                           "add_special_tokens": True}))))
-    assert calls == [False, True]
-    assert plain == {"count": 5, "max_model_len": 128, "tokens": list(b"Hello"), "token_strs": None}
-    assert asked["count"] >= plain["count"]
+    bare = body_of(asyncio.run(ing.tokenize(http_request({"model": MODEL, "prompt": "Hello",
+                                                          "add_special_tokens": False}))))
+    assert calls == [True, False]
+    # the byte tokenizer adds none (a BOS-adding one: tests/integration/test_add_special_tokens.py)
+    assert plain == bare == {"count": 5, "max_model_len": 128, "tokens": list(b"Hello"), "token_strs": None}
 
 
-def test_tokenize_with_messages_takes_no_add_special_tokens():
+def test_tokenize_with_messages_takes_the_chat_fields():
     """API fields: "`POST /tokenize` takes `{"model", "prompt", "add_special_tokens",
-    "return_token_strs"}` or `{"model", "messages", "return_token_strs"}`"; "Unknown fields are a
-    400 naming them"."""
+    "return_token_strs"}` or `{"model", "messages", ..., "add_special_tokens", "return_token_strs"}`";
+    "Unknown fields are a 400 naming them"."""
     ing = ingress()
     ok = body_of(asyncio.run(ing.tokenize(http_request({"model": MODEL, "messages": MESSAGES,
                                                         "return_token_strs": True}))))
     assert ok["count"] == len(ok["tokens"]) == len(ok["token_strs"]) > 0
+    asked = body_of(asyncio.run(ing.tokenize(http_request({"model": MODEL, "messages": MESSAGES,
+                                                           "add_special_tokens": True}))))
+    assert asked["tokens"] == ok["tokens"]  # the byte tokenizer adds none
     refused = asyncio.run(ing.tokenize(http_request({"model": MODEL, "messages": MESSAGES,
-                                                     "add_special_tokens": True})))
+                                                     "best_of": 2})))
     assert refused.status_code == 400
-    assert body_of(refused)["error"]["param"] == "add_special_tokens"
+    assert body_of(refused)["error"]["param"] == "best_of"
 
 
 # ---- gRPC's best_of ------------------------------------------------------------------------------
