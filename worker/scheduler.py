@@ -18,6 +18,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvmesh.config import SCHEDULING_POLICIES
 from kvmesh.worker.block_manager import BlockManager
 from kvmesh.worker.sequence import Request, RequestStatus
 
@@ -46,8 +47,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int | None = None, policy: str = "fcfs"):
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {policy!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.by_priority = policy == "priority"
         self._arrivals = itertools.count()
         self.block_manager = block_manager

@@ -231,7 +231,7 @@ def prioritized(request_id: str, priority: int, prompt: list[int], max_tokens: i
 
 
 def test_an_unknown_policy_is_refused_by_name():
-    with pytest.raises(ValueError, match="policy must be fcfs or priority, got 'lifo'"):
+    with pytest.raises(ValueError, match="policy must be one of fcfs, priority, got 'lifo'"):
         Scheduler(BlockManager(4, B), 64, 8, policy="lifo")
 
 
