@@ -53,8 +53,6 @@ REFUSED: dict[str, Refused] = {
     "verbosity": _refused("verbosity is not supported", {CHAT}),
     "safety_identifier": _refused("safety_identifier is not supported"),
     # vLLM's chat template and prompt handling
-    "documents": _refused("documents are not supported", {CHAT}),
-    "chat_template": _refused("a per-request chat template is not supported", {CHAT}),
     "mm_processor_kwargs": _refused("multimodal input is not supported", {CHAT}),
     "prompt_embeds": _refused("prompt_embeds is not supported", {COMPLETION}),
     # vLLM's other sampling and output fields

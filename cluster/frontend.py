@@ -107,7 +107,7 @@ class Frontend:
 
     async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                           options: TemplateOptions = DEFAULT_OPTIONS) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if options.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
         num_chars = sum(message_chars(m) for m in messages)
@@ -115,6 +115,8 @@ class Frontend:
             num_chars += len(json.dumps(tools))
         if options.kwargs:
             num_chars += len(json.dumps(options.kwargs))
+        if options.documents:
+            num_chars += len(json.dumps(options.documents))
         await self._check_chars(num_chars, "messages")
         # Tokenized exactly as kvmesh.LLM.chat does, so a served chat equals an offline one.
         try:
@@ -122,8 +124,10 @@ class Frontend:
                                         self.config.server.special_tokens_in_content, tools=tools,
                                         options=options)
         except (jinja2.TemplateError, ValueError) as e:  # the template refused these messages
-            param = "chat_template_kwargs" if options.kwargs else "messages"
-            raise ApiError(400, f"{param}: the model's chat template failed on this request: {e}",
+            param = ("chat_template" if options.chat_template is not None
+                     else "chat_template_kwargs" if options.kwargs else "messages")
+            whose = "the request's" if options.chat_template is not None else "the model's"
+            raise ApiError(400, f"{param}: {whose} chat template failed on this request: {e}",
                            param=param) from None
 
     async def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -41,8 +41,9 @@ from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, Com
                                             parse_request, usage)
 from kvmesh.cluster.openai_choices import StreamChoices, chosen_sequences, whole_body
 from kvmesh.cluster.openai_echo import echo_for
-from kvmesh.cluster.openai_request import (chat_echo_text, max_tokens_param, prompts_of, response_role,
-                                           sampling_params_with, session_key, template_options)
+from kvmesh.cluster.openai_request import (chat_echo_text, check_chat_template, max_tokens_param,
+                                           prompts_of, response_role, sampling_params_with, session_key,
+                                           template_options)
 from kvmesh.cluster.openai_responses import Shaper
 from kvmesh.cluster.openai_sse import SseResponse, sse_body, sse_tool_body
 from kvmesh.cluster import responses_api
@@ -185,6 +186,7 @@ class Ingress(GrpcService, HealthService):
         try:
             req = await self._tokenizer_request(request, tokenize_api.TokenizeCompletion)
             if isinstance(req, tokenize_api.TokenizeChat):  # rendered as chat renders it
+                check_chat_template(req, self.config.server.trust_request_chat_template)
                 messages, _ = render_chat(req.messages, chat_prompt_text(req.messages), None,
                                           self.frontend.tokenizer)
                 ids = await self.frontend.encode_chat(
@@ -402,6 +404,7 @@ class Ingress(GrpcService, HealthService):
                 structured = forced
             if structured is not None:
                 await self.frontend.check_grammar(structured.spec, structured.param)
+            check_chat_template(req, self.config.server.trust_request_chat_template)
             prompts = prompts_of(req, kind, tools, self.frontend.tokenizer)
             admitted = [await self.pipeline.admit(GenerationRequest(
                 prompt, functools.partial(sampling_params_with, req, structured),

@@ -18,6 +18,10 @@ from kvmesh.cluster.api_fields import CHAT, COMPLETION, STREAM_OPTIONS, check_fi
 from kvmesh.sampling_params import SamplingParams
 
 
+MAX_CHAT_TEMPLATE_CHARS = 65536  # a request's own chat_template
+MAX_DOCUMENTS = 256  # a chat's documents (their text counts toward the prompt's limits once rendered)
+
+
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON with an HTTP status."""
 
@@ -124,6 +128,10 @@ class ChatCompletionRequest(_Request):
     # vLLM's: the tokenizer's special tokens (e.g. BOS) around the rendered template; off, as
     # vLLM's chat (the template writes its own)
     add_special_tokens: bool = False
+    # vLLM's: the request's own Jinja template (only with server.trust_request_chat_template) and
+    # the documents a RAG template renders
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
 
 
 class CompletionRequest(_Request):

@@ -12,13 +12,14 @@ from kvmesh.worker.chat_template import TemplateOptions
 
 def template_options(req, tokenizer, messages: list[dict]) -> TemplateOptions:
     """How a chat request (or /tokenize's) applies the chat template: add_generation_prompt,
-    continue_final_message, chat_template_kwargs, add_special_tokens; ApiError(400) naming the
-    field of a bad one.
+    continue_final_message, chat_template_kwargs, add_special_tokens, chat_template, documents;
+    ApiError(400) naming the field of a bad one.
     A kwarg's value is the template's own text once rendered: it may hold no control token."""
     kwargs = getattr(req, "chat_template_kwargs", None) or {}
     try:
         options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, dict(kwargs),
-                                  req.add_special_tokens)
+                                  req.add_special_tokens, getattr(req, "chat_template", None),
+                                  getattr(req, "documents", None))
     except ValueError as e:
         param = str(e).split(":", 1)[0]
         raise ApiError(400, str(e), param=param) from None
@@ -28,6 +29,13 @@ def template_options(req, tokenizer, messages: list[dict]) -> TemplateOptions:
         raise ApiError(400, "continue_final_message: the final message has no text content to continue",
                        param="continue_final_message")
     return options
+
+
+def check_chat_template(req, trusted: bool) -> None:
+    """A request's own chat_template only where server.trust_request_chat_template allows it."""
+    if getattr(req, "chat_template", None) is not None and not trusted:
+        raise ApiError(400, "chat_template: this server does not run a request's own chat template "
+                       "(server.trust_request_chat_template is false)", param="chat_template")
 
 
 def response_role(req) -> str:

@@ -2,7 +2,7 @@
 
 /tokenize takes a `prompt` (tokenized as /v1/completions tokenizes it) or chat `messages` (as
 /v1/chat/completions does, with its add_generation_prompt, continue_final_message,
-chat_template_kwargs and add_special_tokens), so `count` is the `prompt_tokens` those endpoints report for the same input. Unknown fields and values kvmesh does not implement are a 400
+chat_template_kwargs, add_special_tokens, chat_template and documents), so `count` is the `prompt_tokens` those endpoints report for the same input. Unknown fields and values kvmesh does not implement are a 400
 naming them, as on the completions endpoints.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvmesh.cluster.openai_protocol import ApiError, ChatMessage, _field_path
+from kvmesh.cluster.openai_protocol import (MAX_CHAT_TEMPLATE_CHARS, MAX_DOCUMENTS, ApiError, ChatMessage,
+                                            _field_path)
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -33,6 +34,8 @@ class TokenizeChat(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # as on chat (and vLLM's /tokenize with messages)
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)  # as on chat
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
     return_token_strs: bool = False
 
 

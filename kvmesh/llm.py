@@ -55,15 +55,18 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None,
+                            chat_template: str | None = None) -> list[int]:
         """The prompt ids of a conversation (vLLM's LLM.chat options: the assistant's turn opened,
-        or the final message continued; the template's own variables, e.g. enable_thinking)."""
+        or the final message continued; the template's own variables, e.g. enable_thinking; a
+        Jinja template of the caller's instead of the tokenizer's)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                       for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"model {self.engine.model_name!r} has no chat template")
-        options = TemplateOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}))
+        options = TemplateOptions(add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}),
+                                  chat_template=chat_template)
         return encode_chat(self.tokenizer, messages, options=options)  # content is text: no forged turns
 
     # ---- generation --------------------------------------------------------------------------
@@ -86,12 +89,12 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; the template options
         as apply_chat_template's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         token_lists = [self.apply_chat_template(c, add_generation_prompt, continue_final_message,
-                                                chat_template_kwargs) for c in conversations]
+                                                chat_template_kwargs, chat_template) for c in conversations]
         texts = [self.tokenizer.decode(ids) for ids in token_lists]
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 

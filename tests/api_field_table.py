@@ -104,7 +104,7 @@ ROWS = [
     Row("kv_transfer_params", {"k": 1}, "refused"),
     Row("vllm_xargs", {"k": 1}, "refused"),
     # the tiny model's byte tokenizer adds no special tokens: the same answer either way here
-    # (their effect with a BOS-adding tokenizer: tests/integration/test_add_special_tokens.py)
+    # (their effect with a BOS-adding tokenizer: tests/integration/test_prompt_rendering.py)
     Row("add_special_tokens", False, "check", (COMPLETION,)),
     Row("add_special_tokens", True, "check", (CHAT,)),
     Row("prompt_logprobs", 1, "check"),
@@ -120,8 +120,11 @@ ROWS = [
     Row("echo", True, "check", (CHAT,), base={"add_generation_prompt": False, "continue_final_message": True}),
     Row("add_generation_prompt", False, "check", (CHAT,)),
     Row("continue_final_message", True, "check", (CHAT,), base={"add_generation_prompt": False}),
-    Row("documents", [{"title": "t", "text": "x"}], "refused", (CHAT,)),
-    Row("chat_template", "{{ messages }}", "refused", (CHAT,)),
+    # the tiny model's template renders no documents: the same answer (a template that does:
+    # tests/integration/test_prompt_rendering.py)
+    Row("documents", [{"title": "t", "text": "x"}], "check", (CHAT,)),
+    # refused by a server whose server.trust_request_chat_template is off, as the walk's
+    Row("chat_template", "{{ messages }}", "check", (CHAT,)),
     Row("chat_template_kwargs", {"enable_thinking": False}, "check", (CHAT,)),
     Row("mm_processor_kwargs", {"k": 1}, "refused", (CHAT,)),
     Row("include_reasoning", False, "refused", (CHAT,)),

@@ -30,11 +30,14 @@ class TemplateOptions:
     prompt right after the final message's content (no end-of-turn), so the model continues it;
     kwargs are the template's own variables (e.g. Qwen3's enable_thinking); add_special_tokens
     puts the tokenizer's own special tokens (e.g. Llama's BOS) around the rendered template, as
-    tokenizing its text with them would (vLLM renders, then tokenizes with this flag)."""
+    tokenizing its text with them would (vLLM renders, then tokenizes with this flag);
+    chat_template replaces the tokenizer's template, documents reach it as `documents`."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     add_special_tokens: bool = False
+    chat_template: str | None = None  # the template itself, instead of the tokenizer's
+    documents: list[dict[str, str]] | None = None  # for a template that renders them (RAG)
 
     def __post_init__(self):
         if self.add_generation_prompt and self.continue_final_message:
@@ -58,6 +61,10 @@ def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool
     the template as `apply_chat_template(tools=...)` passes them (template text, not content)."""
     extra = {**options.kwargs, **({"tools": tools} if tools else {}),
              "add_generation_prompt": options.add_generation_prompt}
+    if options.chat_template is not None:
+        extra["chat_template"] = options.chat_template
+    if options.documents is not None:
+        extra["documents"] = options.documents
     if options.continue_final_message:
         if not isinstance(messages[-1].get("content"), str):
             raise ValueError("continue_final_message: the final message needs text content to continue")
@@ -81,6 +88,9 @@ def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool
         if i % 2:
             text.append(messages[int(piece)]["content"])
             continue
+        if marker[len("kvmeshcontent"):-1] in piece.lower():  # a marker the template changed
+            raise ValueError("the chat template changes message content as it renders it (e.g. a "
+                             "filter on it); kvmesh renders content only as it is")
         for j, part in enumerate(split_specials.split(piece) if split_specials else [piece]):
             if j % 2:
                 ids.extend(_encode_text(tokenizer, text))

@@ -115,6 +115,12 @@ def check_same_answer(url, kind, row):
     assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
 
 
+def check_untrusted_chat_template(url, kind, row):
+    status, err = post(url, PATHS[kind], body(kind, **{row.field: row.value}))
+    assert (status, err["error"]["param"]) == (400, "chat_template"), err
+    assert "trust_request_chat_template" in err["error"]["message"]
+
+
 def check_completion_logprobs(url, kind, row):
     logprobs = answer(url, kind, logprobs=row.value)["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) > 0
@@ -361,7 +367,8 @@ CHECKS = {
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
-    "stream": check_stream, "stream_options": check_stream_options, "user": check_user, "prompt_cache_key": check_user, "add_special_tokens": check_same_answer,
+    "stream": check_stream, "stream_options": check_stream_options, "user": check_user, "prompt_cache_key": check_user, "add_special_tokens": check_same_answer, "documents": check_same_answer,
+    "chat_template": check_untrusted_chat_template,
     "prompt": check_prompts, "messages": check_messages,
     ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,
     "top_logprobs": check_chat_logprobs,

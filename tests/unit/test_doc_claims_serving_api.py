@@ -177,7 +177,7 @@ def test_tokenize_adds_special_tokens_to_a_prompt_unless_asked_not_to_as_complet
     bare = body_of(asyncio.run(ing.tokenize(http_request({"model": MODEL, "prompt": "Hello",
                                                           "add_special_tokens": False}))))
     assert calls == [True, False]
-    # the byte tokenizer adds none (a BOS-adding one: tests/integration/test_add_special_tokens.py)
+    # the byte tokenizer adds none (a BOS-adding one: tests/integration/test_prompt_rendering.py)
     assert plain == bare == {"count": 5, "max_model_len": 128, "tokens": list(b"Hello"), "token_strs": None}
 
 

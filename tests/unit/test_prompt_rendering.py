@@ -1,6 +1,7 @@
-"""vLLM's add_special_tokens in kvmesh.LLM and the chat template: a text prompt gets the
-tokenizer's special tokens (a BOS here, as Llama 3's tokenizer adds) unless asked not to; a chat
-gets them around its rendered template only when asked (docs/SERVING.md "API fields")."""
+"""How kvmesh.LLM and the chat template turn prompts into tokens (docs/SERVING.md "API fields"):
+vLLM's add_special_tokens (a text prompt gets the tokenizer's special tokens, a BOS here as Llama
+3's tokenizer adds, unless asked not to; a chat gets them around its rendered template only when
+asked) and a caller's own chat_template in LLM.chat."""
 
 import pytest
 
@@ -41,3 +42,11 @@ def test_with_special_tokens_adds_nothing_for_a_tokenizer_that_adds_none():
     from kvmesh.worker.presets import build_byte_tokenizer
 
     assert with_special_tokens(build_byte_tokenizer(300), [1, 2, 3]) == [1, 2, 3]
+
+
+def test_llm_chat_takes_a_chat_template_of_its_own(llm):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert llm.apply_chat_template(MESSAGES, chat_template=template) == list(b"<user>hi")
+    (out,) = llm.chat(MESSAGES, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False,
+                      chat_template=template)
+    assert out.prompt_token_ids == list(b"<user>hi")
