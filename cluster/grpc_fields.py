@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from kvmesh.cluster import tool_parser
-from kvmesh.cluster.openai_protocol import ApiError
+from kvmesh.cluster.openai_protocol import MAX_CHAT_TEMPLATE_CHARS, MAX_DOCUMENTS, ApiError
 from kvmesh.cluster.structured_request import Structured
 from kvmesh.cluster.tool_calls import ToolRequest, forced_structure, parse_tools, render_chat
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -110,7 +110,9 @@ def chat_messages(request: pb.GenerateRequest, tools: ToolRequest | None,
     return render_chat(messages, texts, tools, tokenizer)
 
 
-TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                   "chat_template", "documents")
+OPTIONAL_TEMPLATE_FIELDS = ("add_generation_prompt", "chat_template")  # given when set, even empty
 
 
 def chat_template_options(request: pb.GenerateRequest, tokenizer, messages: list[dict]):
@@ -126,17 +128,32 @@ def chat_template_options(request: pb.GenerateRequest, tokenizer, messages: list
             raise ApiError(400, f"chat_template_kwargs: not JSON text ({e})", param="chat_template_kwargs") from None
         if not isinstance(kwargs, dict):
             raise ApiError(400, "chat_template_kwargs: a JSON object", param="chat_template_kwargs")
+    documents = None
+    if request.documents:
+        try:
+            documents = json.loads(request.documents)
+        except ValueError as e:
+            raise ApiError(400, f"documents: not JSON text ({e})", param="documents") from None
+        if not (isinstance(documents, list) and len(documents) <= MAX_DOCUMENTS and all(
+                isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)):
+            raise ApiError(400, f"documents: a JSON array of at most {MAX_DOCUMENTS} objects of strings",
+                           param="documents")
+    template = request.chat_template if request.HasField("chat_template") else None
+    if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
+        raise ApiError(400, f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, got {len(template)}",
+                       param="chat_template")
     ask = SimpleNamespace(
         add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
         continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs,
-        add_special_tokens=request.add_special_tokens)  # unset: false, as on chat
+        add_special_tokens=request.add_special_tokens,  # unset: false, as on chat
+        chat_template=template, documents=documents)
     return template_options(ask, tokenizer, messages)
 
 
 def check_template_fields(request: pb.GenerateRequest) -> None:
     """The chat template fields need messages (a prompt has no template)."""
     if not request.messages:
-        given = [f for f in TEMPLATE_FIELDS if (request.HasField(f) if f == "add_generation_prompt"
+        given = [f for f in TEMPLATE_FIELDS if (request.HasField(f) if f in OPTIONAL_TEMPLATE_FIELDS
                                                  else getattr(request, f))]
         if given:
             raise ApiError(400, f"{given[0]}: only with messages (a prompt is sent as it is)", param=given[0])

@@ -33,7 +33,7 @@ from kvmesh.cluster.auth import bearer_token, grpc_authorization
 from kvmesh.cluster.grpc_fields import (GrpcAsk, ResponseShape, chat_messages, chat_template_options,
                                         prompt_logprobs_asked, read_ask)
 from kvmesh.cluster.openai_protocol import ApiError, new_id
-from kvmesh.cluster.openai_request import checked_truncation
+from kvmesh.cluster.openai_request import check_chat_template, checked_truncation
 from kvmesh.cluster.pipeline import DeltaStream, GenerationRequest, Prompt
 from kvmesh.cluster.status import cluster_health
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -169,6 +169,8 @@ class GrpcService:
         try:
             try:
                 ask = read_ask(request)
+                if request.HasField("chat_template"):
+                    check_chat_template(request, self.config.server.trust_request_chat_template)
                 if ask.structured is not None:  # built once, compiled here (off the loop)
                     await self.frontend.check_grammar(ask.structured.spec, ask.structured.param)
                 admitted = await self.pipeline.admit(generation_request(

@@ -297,7 +297,10 @@ def test_grpc_takes_the_chat_template_fields_as_http_does(cluster, openai_client
     ({"prompt": "hi", "priority": 1}, "priority"),  # the default scheduling_policy: fcfs
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"prompt": "hi", "truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens")])
+    ({"prompt": "hi", "truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens"),
+    ({"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template"),  # not trusted here
+    ({"prompt": "hi", "chat_template": ""}, "chat_template"),  # no template without messages
+    ({"prompt": "hi", "documents": "[]"}, "documents")])
 def test_grpc_fields_that_cannot_be_honoured_are_invalid_argument(cluster, fields, param):
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_stream(cluster.grpc_target, max_tokens=2, **fields))

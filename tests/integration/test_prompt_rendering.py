@@ -130,3 +130,22 @@ def test_more_documents_than_the_limit_are_refused_by_name(cluster):
     error = refused(cluster, "/v1/chat/completions", messages=MESSAGES, max_tokens=2,
                     documents=[{"title": "t", "text": "x"}] * 257)
     assert error["param"] == "documents" and "256" in error["message"], error
+
+
+def test_grpc_takes_the_chat_template_and_documents_as_http_does(cluster):
+    import json
+
+    import grpc
+
+    assert prompt_tokens(cluster, messages=MESSAGES, chat_template=ROLES_TEMPLATE) == len(b"<user>hi")
+    documents = json.dumps([{"title": "t", "text": "x"}])
+    assert prompt_tokens(cluster, messages=MESSAGES, chat_template=RAG_TEMPLATE,
+                         documents=documents) == len(b"[t: x]hi")
+    for fields, param in (({"documents": "{not json"}, "documents"),
+                          ({"documents": json.dumps([{"t": 1}])}, "documents"),
+                          ({"documents": json.dumps([{}] * 257)}, "documents"),
+                          ({"chat_template": "x" * 65537}, "chat_template"),
+                          ({"chat_template": "{{ raise_exception('no') }}"}, "chat_template")):
+        with pytest.raises(grpc.RpcError) as e:
+            prompt_tokens(cluster, messages=MESSAGES, **fields)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(param)
