@@ -180,6 +180,14 @@ def test_kv_events_prefers_the_worker_holding_the_prefix():
     assert p.rank(REQ, workers(0, 0, 0, 0))[:2] == ["w2", "w1"]
 
 
+def test_kv_events_routes_on_the_blocks_not_on_a_session_key():
+    # SERVING.md: under kv_events a session key (`prompt_cache_key`, `user`) changes nothing
+    p = policy("kv_events", index_with({"w2": 10, "w1": 4}))
+    for key in ("alice", "bob", "session-7"):
+        keyed = RouteRequest(block_hashes=H, num_prompt_tokens=len(PROMPT), session_key=key)
+        assert p.rank(keyed, workers(0, 1, 0, 2)) == p.rank(REQ, workers(0, 1, 0, 2))
+
+
 def test_kv_events_ignores_cache_on_a_full_or_unhealthy_worker():
     p = policy("kv_events", index_with({"w2": 10, "w1": 4}))
     assert p.rank(REQ, workers(0, 0, 3, 0, cap=3))[0] == "w1"
