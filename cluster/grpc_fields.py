@@ -115,29 +115,30 @@ TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_temp
 OPTIONAL_TEMPLATE_FIELDS = ("add_generation_prompt", "chat_template")  # given when set, even empty
 
 
+def _json_text(request: pb.GenerateRequest, name: str):
+    """A field that carries JSON as text (protobuf has no JSON value), parsed; None when empty."""
+    text = getattr(request, name)
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ApiError(400, f"{name}: not JSON text ({e})", param=name) from None
+
+
 def chat_template_options(request: pb.GenerateRequest, tokenizer, messages: list[dict]):
     """How the chat template is applied to `messages`, as HTTP's chat fields of the same names
-    (openai_request.template_options); chat_template_kwargs arrives as a JSON object's text."""
+    (openai_request.template_options); chat_template_kwargs and documents arrive as JSON text."""
     from kvmesh.cluster.openai_request import template_options
 
-    kwargs = None
-    if request.chat_template_kwargs:
-        try:
-            kwargs = json.loads(request.chat_template_kwargs)
-        except ValueError as e:
-            raise ApiError(400, f"chat_template_kwargs: not JSON text ({e})", param="chat_template_kwargs") from None
-        if not isinstance(kwargs, dict):
-            raise ApiError(400, "chat_template_kwargs: a JSON object", param="chat_template_kwargs")
-    documents = None
-    if request.documents:
-        try:
-            documents = json.loads(request.documents)
-        except ValueError as e:
-            raise ApiError(400, f"documents: not JSON text ({e})", param="documents") from None
-        if not (isinstance(documents, list) and len(documents) <= MAX_DOCUMENTS and all(
-                isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)):
-            raise ApiError(400, f"documents: a JSON array of at most {MAX_DOCUMENTS} objects of strings",
-                           param="documents")
+    kwargs = _json_text(request, "chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs: a JSON object", param="chat_template_kwargs")
+    documents = _json_text(request, "documents")
+    if documents is not None and not (isinstance(documents, list) and len(documents) <= MAX_DOCUMENTS and all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)):
+        raise ApiError(400, f"documents: a JSON array of at most {MAX_DOCUMENTS} objects of strings",
+                       param="documents")
     template = request.chat_template if request.HasField("chat_template") else None
     if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
         raise ApiError(400, f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, got {len(template)}",
