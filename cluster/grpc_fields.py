@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from kvmesh.cluster import tool_parser
-from kvmesh.cluster.openai_protocol import MAX_CHAT_TEMPLATE_CHARS, MAX_DOCUMENTS, ApiError
+from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.cluster.structured_request import Structured
 from kvmesh.cluster.tool_calls import ToolRequest, forced_structure, parse_tools, render_chat
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -134,20 +134,12 @@ def chat_template_options(request: pb.GenerateRequest, tokenizer, messages: list
     kwargs = _json_text(request, "chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ApiError(400, "chat_template_kwargs: a JSON object", param="chat_template_kwargs")
-    documents = _json_text(request, "documents")
-    if documents is not None and not (isinstance(documents, list) and len(documents) <= MAX_DOCUMENTS and all(
-            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)):
-        raise ApiError(400, f"documents: a JSON array of at most {MAX_DOCUMENTS} objects of strings",
-                       param="documents")
-    template = request.chat_template if request.HasField("chat_template") else None
-    if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
-        raise ApiError(400, f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, got {len(template)}",
-                       param="chat_template")
     ask = SimpleNamespace(
         add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
         continue_final_message=request.continue_final_message, chat_template_kwargs=kwargs,
         add_special_tokens=request.add_special_tokens,  # unset: false, as on chat
-        chat_template=template, documents=documents)
+        chat_template=request.chat_template if request.HasField("chat_template") else None,
+        documents=_json_text(request, "documents"))  # its limits: openai_request.template_options
     return template_options(ask, tokenizer, messages)
 
 

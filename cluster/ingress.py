@@ -386,6 +386,7 @@ class Ingress(GrpcService, HealthService):
                     keep = functools.partial(self._keep, responses, owner)
             else:
                 req = await self._parse(request, kind)
+            check_chat_template(req, self.config.server.trust_request_chat_template)
             structured = parse_structured(req)
             tools = parse_tools(req) if kind == "chat" else None
             if tools is not None and tools.parses_output and req.stream and req.logprobs:
@@ -404,7 +405,6 @@ class Ingress(GrpcService, HealthService):
                 structured = forced
             if structured is not None:
                 await self.frontend.check_grammar(structured.spec, structured.param)
-            check_chat_template(req, self.config.server.trust_request_chat_template)
             prompts = prompts_of(req, kind, tools, self.frontend.tokenizer)
             admitted = [await self.pipeline.admit(GenerationRequest(
                 prompt, functools.partial(sampling_params_with, req, structured),

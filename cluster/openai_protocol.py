@@ -130,8 +130,10 @@ class ChatCompletionRequest(_Request):
     add_special_tokens: bool = False
     # vLLM's: the request's own Jinja template (only with server.trust_request_chat_template) and
     # the documents a RAG template renders
-    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
-    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    # (their limits, MAX_CHAT_TEMPLATE_CHARS and MAX_DOCUMENTS: openai_request.template_options,
+    # which gRPC's fields go through too)
+    chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class CompletionRequest(_Request):

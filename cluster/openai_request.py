@@ -4,7 +4,8 @@ text or token ids (one choice each), the structured-outputs spec in the sampling
 
 import dataclasses
 
-from kvmesh.cluster.openai_protocol import ApiError, chat_prompt_text, sampling_params
+from kvmesh.cluster.openai_protocol import (MAX_CHAT_TEMPLATE_CHARS, MAX_DOCUMENTS, ApiError, chat_prompt_text,
+                                            sampling_params)
 from kvmesh.cluster.pipeline import Prompt
 from kvmesh.cluster.tool_calls import refuse_special_text, render_chat
 from kvmesh.worker.chat_template import TemplateOptions
@@ -16,10 +17,17 @@ def template_options(req, tokenizer, messages: list[dict]) -> TemplateOptions:
     ApiError(400) naming the field of a bad one.
     A kwarg's value is the template's own text once rendered: it may hold no control token."""
     kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    template, documents = getattr(req, "chat_template", None), getattr(req, "documents", None)
+    if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
+        raise ApiError(400, f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, got {len(template)}",
+                       param="chat_template")
+    if documents is not None and not (isinstance(documents, list) and len(documents) <= MAX_DOCUMENTS and all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)):
+        raise ApiError(400, f"documents: a list of at most {MAX_DOCUMENTS} objects of strings",
+                       param="documents")
     try:
         options = TemplateOptions(req.add_generation_prompt, req.continue_final_message, dict(kwargs),
-                                  req.add_special_tokens, getattr(req, "chat_template", None),
-                                  getattr(req, "documents", None))
+                                  req.add_special_tokens, template, documents)
     except ValueError as e:
         param = str(e).split(":", 1)[0]
         raise ApiError(400, str(e), param=param) from None

@@ -12,8 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvmesh.cluster.openai_protocol import (MAX_CHAT_TEMPLATE_CHARS, MAX_DOCUMENTS, ApiError, ChatMessage,
-                                            _field_path)
+from kvmesh.cluster.openai_protocol import ApiError, ChatMessage, _field_path
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -34,8 +33,8 @@ class TokenizeChat(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # as on chat (and vLLM's /tokenize with messages)
-    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)  # as on chat
-    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template: str | None = None  # as on chat (bounded there: openai_request.template_options)
+    documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False
 
 

@@ -73,7 +73,8 @@ def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool
         ids = _ids(tokenizer.apply_chat_template(messages, tokenize=True, **extra))
         return with_special_tokens(tokenizer, ids) if options.add_special_tokens else ids
     # A random marker cannot occur in the content by chance or by a caller's design.
-    marker = f"kvmeshcontent{secrets.token_hex(8)}n"
+    token = secrets.token_hex(8)
+    marker = f"kvmeshcontent{token}n"
     placeholders = [dict(m, content=f"{marker}{i}{marker}") if isinstance(m.get("content"), str) else m
                     for i, m in enumerate(messages)]
     rendered = tokenizer.apply_chat_template(placeholders, tokenize=False, **extra)
@@ -88,7 +89,7 @@ def encode_chat(tokenizer, messages: list[dict], special_tokens_in_content: bool
         if i % 2:
             text.append(messages[int(piece)]["content"])
             continue
-        if marker[len("kvmeshcontent"):-1] in piece.lower():  # a marker the template changed
+        if token in piece.lower():  # a marker the template changed
             raise ValueError("the chat template changes message content as it renders it (e.g. a "
                              "filter on it); kvmesh renders content only as it is")
         for j, part in enumerate(split_specials.split(piece) if split_specials else [piece]):

@@ -105,13 +105,10 @@ def check_stream_options(url, kind, row):
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 8
 
 
-def check_user(url, kind, row):
-    # `user` and `prompt_cache_key` are session routing keys (routing.policy session; where they
-    # route: tests/integration/test_session_routing.py); the answer is the same
-    assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
-
-
 def check_same_answer(url, kind, row):
+    # `user` and `prompt_cache_key` are session routing keys (where they route:
+    # tests/integration/test_session_routing.py); add_special_tokens and documents change nothing
+    # for the tiny model's tokenizer and template (tests/integration/test_prompt_rendering.py)
     assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
 
 
@@ -367,7 +364,7 @@ CHECKS = {
     "continue_final_message": check_template_option, "chat_template_kwargs": check_template_option,
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
-    "stream": check_stream, "stream_options": check_stream_options, "user": check_user, "prompt_cache_key": check_user, "add_special_tokens": check_same_answer, "documents": check_same_answer,
+    "stream": check_stream, "stream_options": check_stream_options, "user": check_same_answer, "prompt_cache_key": check_same_answer, "add_special_tokens": check_same_answer, "documents": check_same_answer,
     "chat_template": check_untrusted_chat_template,
     "prompt": check_prompts, "messages": check_messages,
     ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,
