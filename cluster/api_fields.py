@@ -59,7 +59,6 @@ REFUSED: dict[str, Refused] = {
     "spaces_between_special_tokens": _refused("spaces_between_special_tokens is not supported",
                                               no_op=(None, True)),
     "logits_processors": _refused("logits_processors is not supported"),
-    "include_reasoning": _refused("reasoning output is not supported", {CHAT}),
     "request_id": _refused("request_id is not supported over HTTP (the server names requests)"),
     "kv_transfer_params": _refused("KV transfer is not supported"),
     "vllm_xargs": _refused("vllm_xargs is not supported"),

@@ -22,6 +22,7 @@ from kvmesh.cluster.generation import MAX_ATTEMPTS, WORKER_GONE
 from kvmesh.cluster.messages import ModelInfo, RoutedRequest
 from kvmesh.cluster.metrics import IngressMetrics
 from kvmesh.cluster.openai_protocol import ApiError, new_id
+from kvmesh.cluster.reasoning import ReasoningParser
 from kvmesh.hashing import block_hashes, tenant_salt
 from kvmesh.protocol import PromptSizeError, TokenDelta, check_prompt_size
 from kvmesh.sampling_params import SamplingParams
@@ -60,6 +61,9 @@ class Frontend:
         self.config = config
         self.workers = worker_handle
         self.tokenizer, self.model_name = load_tokenizer(config.model)
+        # server.reasoning_parser (cluster/reasoning.py), bound to this tokenizer's markers
+        self.reasoning = (ReasoningParser.for_tokenizer(config.server.reasoning_parser, self.tokenizer)
+                          if config.server.reasoning_parser is not None else None)
         self.model_aliases = {self.model_name, config.model}
         self.metrics = IngressMetrics()
         self.metrics.init_model(self.model_name)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from kvmesh.cluster import tool_parser
+from kvmesh.cluster.reasoning import ChatReasoning, ReasoningParser
 from kvmesh.cluster.openai_protocol import ApiError
 from kvmesh.cluster.structured_request import Structured
 from kvmesh.cluster.tool_calls import ToolRequest, forced_structure, parse_tools, render_chat
@@ -177,8 +178,12 @@ class ResponseShape:
     first, the prompt's logprobs on the first with a token, tool calls parsed from the text."""
 
     def __init__(self, request: pb.GenerateRequest, ask: GrpcAsk, prompt_ids: list[int],
-                 decode):
+                 decode, reasoning: ReasoningParser | None = None):
+        """`reasoning`: the server's parser (server.reasoning_parser), which reads chat answers."""
         self.echo = request.echo
+        self.reasoning = (ChatReasoning(reasoning, prompt_ids, not request.HasField("include_reasoning")
+                                        or request.include_reasoning)
+                          if reasoning is not None and request.messages else None)
         self.prompt_ids, self.decode = prompt_ids, decode
         self.prompt_text = request.prompt if request.prompt else None
         self.top_k = prompt_logprobs_asked(request)
@@ -194,11 +199,15 @@ class ResponseShape:
         self._first = False
         if delta.prompt_logprobs is not None and self.top_k is not None:
             out.prompt_logprobs.extend(prompt_logprob_entries(delta.prompt_logprobs, self.top_k))
+        ended = delta.finish_reason is not None  # this sequence's end
+        text = delta.text
+        if self.reasoning is not None:
+            out.reasoning, text = self.reasoning.piece(delta.index, text, ended)
+            out.text = text
         if self.tools is None:
             return out
         parser = self.parsers.setdefault(delta.index, tool_parser.ToolStream(self.tools))
-        ended = delta.finish_reason is not None  # this sequence's end
-        pieces = parser.feed(delta.text)
+        pieces = parser.feed(text)
         if ended:
             pieces += parser.finish()
         out.text = "".join(p.get("content", "") for p in pieces)

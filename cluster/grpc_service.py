@@ -179,7 +179,7 @@ class GrpcService:
             except ApiError as e:
                 raise self._grpc_refused(e, grpc_context) from None
             shape = ResponseShape(request, ask, admitted.routed.prompt_token_ids,
-                                  self.frontend.tokenizer.decode)
+                                  self.frontend.tokenizer.decode, self.frontend.reasoning)
             async with stream:  # a cancel or deadline arrives as CancelledError: closes it
                 try:
                     async for delta in stream:

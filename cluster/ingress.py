@@ -35,6 +35,7 @@ from kvmesh.cluster.status import HubLoads, cluster_health, worker_rows
 from kvmesh.cluster.structured_request import parse_structured
 from kvmesh.cluster.tool_calls import forced_structure, parse_tools, render_chat
 from kvmesh.cluster import tool_parser
+from kvmesh.cluster.reasoning import ChatReasoning
 from kvmesh.cluster.text_checks import lone_surrogate_path
 from kvmesh.cluster.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                             chat_prompt_text, error_body, new_id, now,
@@ -419,6 +420,9 @@ class Ingress(GrpcService, HealthService):
             shaper.return_token_ids = bool(req.return_token_ids)
             if kind == "chat":
                 shaper.role = response_role(req)
+            reasoning = (ChatReasoning(self.frontend.reasoning, admitted[0].routed.prompt_token_ids,
+                                       req.include_reasoning)
+                         if kind == "chat" and self.frontend.reasoning is not None else None)
             echoes = [echo_for(req, kind, chat_echo_text(req) if kind == "chat" else prompt.text,
                                one.routed.prompt_token_ids, self.frontend, token_decode)
                       for prompt, one in zip(prompts, admitted)]
@@ -432,16 +436,16 @@ class Ingress(GrpcService, HealthService):
                 if responses is not None:  # one prompt, one choice
                     body = responses_api.sse_events(streams[0], responses, tools, shaper.logprob_entries, keep)
                 elif tools is not None:  # chat: one prompt
-                    body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n)
+                    body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n, reasoning)
                 else:
                     choices = [StreamChoices(shaper, include_usage, echo, req.n, index_base=i * req.n,
-                                             prompt_ids=one.routed.prompt_token_ids)
+                                             prompt_ids=one.routed.prompt_token_ids, reasoning=reasoning)
                                for i, (echo, one) in enumerate(zip(echoes, admitted))]
                     body = sse_body(streams, choices, shaper, include_usage,
                                 bool(options.get("continuous_usage_stats")))
                 return SseResponse(streams, body, media_type="text/event-stream",
                                    headers={"Cache-Control": "no-cache"})
-            whole = functools.partial(self._whole, kind, admitted, shaper, echoes, tools)
+            whole = functools.partial(self._whole, kind, admitted, shaper, echoes, tools, reasoning)
             if responses is not None and responses.background:
                 return await self._start_in_background(responses, whole, keep)
             body = await whole()
@@ -459,8 +463,11 @@ class Ingress(GrpcService, HealthService):
                 e = responses_api.in_responses_terms(e, responses.body, responses.earlier)
             return _error_response(self.pipeline.refused(e))
 
-    async def _whole(self, kind: str, admitted: list, shaper: Shaper, echoes: list, tools) -> dict:
-        """The body of a non-streaming request's admitted prompts, run to their ends."""
+    async def _whole(self, kind: str, admitted: list, shaper: Shaper, echoes: list, tools,
+                     reasoning: ChatReasoning | None = None) -> dict:
+        """The body of a non-streaming request's admitted prompts, run to their ends. A chat's
+        answer is split into reasoning and content first (server.reasoning_parser), then its
+        content read for tool calls."""
         if len(admitted) == 1:
             results = [await self.pipeline.whole(admitted[0])]
         else:
@@ -470,13 +477,22 @@ class Ingress(GrpcService, HealthService):
                        result.last.num_prompt_tokens or one.routed.num_prompt_tokens,
                        result.last.num_cached_tokens, one.routed.prompt_token_ids)
             for one, result, echo in zip(admitted, results, echoes)])
-        if tools is not None and tools.parses_output:  # each choice parsed on its own
-            sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
-            for choice, sequence in zip(body["choices"], sequences):
-                content, calls = tool_parser.parse_output(sequence.text, tools)
-                choice["message"]["content"] = content
+        parses_tools = tools is not None and tools.parses_output
+        if reasoning is None and not parses_tools:
+            return body
+        sequences = chosen_sequences(results[0], admitted[0].routed.sampling_params)
+        echoed = echoes[0].prompt_text if echoes[0] is not None and echoes[0].echo else ""
+        for choice, sequence in zip(body["choices"], sequences):  # each choice parsed on its own
+            message, text = choice["message"], sequence.text
+            if reasoning is not None:  # tools are read from the content only (as vLLM)
+                message["reasoning"], text = reasoning.whole(text)
+                text = text or ""
+                message["content"] = (echoed + text) or None
+            if parses_tools:
+                content, calls = tool_parser.parse_output(text, tools)
+                message["content"] = content
                 if calls:
-                    choice["message"]["tool_calls"] = [c.body() for c in calls]
+                    message["tool_calls"] = [c.body() for c in calls]
                 choice["finish_reason"] = tool_parser.finish_reason(
                     sequence.last.finish_reason if sequence.last is not None else None,
                     tools, calls)

@@ -387,7 +387,8 @@ def check_model_here(cfg: ServeConfig) -> None:
     """A local cluster's replicas load the model from this machine: a --model that names nothing
     loadable, or a checkpoint of an architecture or a config the engine does not support, is an
     error here, before Ray starts (ValueError naming `model` or the config field), not a deployment
-    that fails in a replica a minute later. Converts the default model once, for the replicas to
+    that fails in a replica a minute later; so is a reasoning_parser whose markers the tokenizer
+    lacks. Converts the default model once, for the replicas to
     find in the cache."""
     from kvmesh.worker.loader import load_tokenizer_for, resolve_model
     from kvmesh.worker.model_builder import model_config_of
@@ -397,7 +398,11 @@ def check_model_here(cfg: ServeConfig) -> None:
     except FileNotFoundError as e:  # the default model's package is not installed
         raise ValueError(f"model: {e}") from None
     model_config_of(source)  # what each worker reads first, refusals included
-    load_tokenizer_for(source)  # the ingress's first step
+    tokenizer = load_tokenizer_for(source)  # the ingress's first step
+    if cfg.server.reasoning_parser is not None:  # the ingress's next (Frontend): its markers
+        from kvmesh.cluster.reasoning import ReasoningParser
+
+        ReasoningParser.for_tokenizer(cfg.server.reasoning_parser, tokenizer)
 
 
 def serve_forever(cfg: ServeConfig, address: str | None, out=sys.stdout) -> int:

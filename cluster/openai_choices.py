@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvmesh.cluster.generation import Collected
 from kvmesh.cluster.openai_protocol import usage
 from kvmesh.cluster.openai_responses import Shaper
+from kvmesh.cluster.reasoning import delta_fields
 from kvmesh.sampling_params import SamplingParams
 from kvmesh.worker.parallel_sampling import rank_best_of
 
@@ -57,10 +58,13 @@ class StreamChoices:
     choice 0's first chunk (at the top of a chat chunk, in the choice of a completion's)."""
 
     def __init__(self, shaper: Shaper, include_usage: bool, echo, num_choices: int,
-                 index_base: int = 0, prompt_ids: list[int] | None = None):
+                 index_base: int = 0, prompt_ids: list[int] | None = None, reasoning=None):
         """`index_base`: the first choice's index (prompt i of several: i * n, as vLLM).
         `prompt_ids`: with return_token_ids, on the stream's first chunk (chat: its first role
-        chunk) or each completion choice's first chunk."""
+        chunk) or each completion choice's first chunk. `reasoning`: a chat's
+        cluster.reasoning.ChatReasoning (server.reasoning_parser): each delta's text goes out as
+        its `reasoning` and `content` parts, each only when it has text."""
+        self.reasoning = reasoning
         self.shaper, self.include_usage, self.echo = shaper, include_usage, echo
         self.num_choices, self.index_base = num_choices, index_base
         self.prompt_ids = list(prompt_ids or [])
@@ -94,6 +98,9 @@ class StreamChoices:
                                    delta.finish_reason, offset, self.include_usage,
                                    delta.stop_reason, usage_so_far)
         chunk["choices"][0]["index"] = self.index_base + delta.index
+        if self.reasoning is not None:
+            parts = self.reasoning.piece(delta.index, delta.text, delta.finish_reason is not None)
+            chunk["choices"][0]["delta"] = delta_fields(*parts)
         if echo is not None and first and not echo.echo and delta.index == 0:
             if shaper.kind == "chat":
                 chunk["prompt_logprobs"] = echo.vllm_list(self.scores)

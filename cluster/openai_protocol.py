@@ -134,6 +134,9 @@ class ChatCompletionRequest(_Request):
     # which gRPC's fields go through too)
     chat_template: str | None = None
     documents: list[dict[str, str]] | None = None
+    # vLLM's: with server.reasoning_parser, false leaves the thinking block's text out of the
+    # answer (its `reasoning` field is null; the content is the same)
+    include_reasoning: bool = True
 
 
 class CompletionRequest(_Request):

@@ -96,9 +96,11 @@ def prompt_tokens(stream: DeltaStream, delta) -> int:
 
 
 async def sse_tool_body(stream: DeltaStream, shaper: Shaper, include_usage: bool, tools,
-                     num_choices: int):
+                     num_choices: int, reasoning=None):
     """The SSE body of a chat with tools: content and tool-call deltas (tool_parser.ToolStream),
-    one parser per choice (n > 1: each sequence's output is parsed on its own)."""
+    one parser per choice (n > 1: each sequence's output is parsed on its own). With `reasoning`
+    (cluster.reasoning.ChatReasoning), the thinking block streams as `reasoning` deltas and only
+    the content is read for calls."""
     parsers: dict[int, tool_parser.ToolStream] = {}
     async with stream:
         for index in range(num_choices):
@@ -108,7 +110,11 @@ async def sse_tool_body(stream: DeltaStream, shaper: Shaper, include_usage: bool
         async for delta in stream:
             parser = parsers.setdefault(delta.index, tool_parser.ToolStream(tools))
             ended = delta.finish_reason is not None  # this sequence's end
-            pieces = parser.feed(delta.text)
+            text, pieces = delta.text, []
+            if reasoning is not None:
+                thought, text = reasoning.piece(delta.index, text, ended)
+                pieces = [{"reasoning": thought}] if thought else []
+            pieces += parser.feed(text)
             if ended:
                 pieces += parser.finish()
             for piece in pieces:

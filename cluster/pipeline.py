@@ -22,6 +22,7 @@ What the pipeline does, once for both:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -129,6 +130,11 @@ class RequestPipeline:
         budget = self.limits.output_budget(request.max_tokens, context_left,
                                            request.max_tokens_param)
         params = request.sampling(budget)
+        reasoning = fe.reasoning
+        if (reasoning is not None and params.structured_outputs is not None
+                and not fe.config.server.structured_outputs_in_reasoning
+                and reasoning.grammar_waits(prompt_ids)):  # vLLM's: the grammar after </think>
+            params = dataclasses.replace(params, reasoning_end_token_id=reasoning.end_id)
         if info.vocab_size is not None:
             _check_token_ids(params, info.vocab_size)
         if params.max_tokens > context_left:

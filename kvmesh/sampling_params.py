@@ -51,6 +51,10 @@ class SamplingParams:
     # The output must match this (JSON schema, regex, choice, grammar): the sampler masks every
     # token the grammar does not allow (worker/grammar.py); the request ends when it is complete.
     structured_outputs: StructuredOutputs | None = None
+    # A reasoning model's end-of-thinking token (`</think>`): structured_outputs then constrains
+    # only what follows it, as vLLM applies structured outputs after the reasoning. The server
+    # sets it from server.reasoning_parser (cluster/reasoning.py); None: from the first token.
+    reasoning_end_token_id: int | None = None
 
     MAX_SEQUENCES = 32
     MAX_STOP_STRINGS = 64
@@ -143,6 +147,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 fail(name, "in [-2, 2]", value)
+        if self.reasoning_end_token_id is not None and (not _is_int(self.reasoning_end_token_id)
+                                                        or self.reasoning_end_token_id < 0):
+            fail("reasoning_end_token_id", "a token id (an integer >= 0)", self.reasoning_end_token_id)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 fail("structured_outputs", "a kvmesh.StructuredOutputs", self.structured_outputs)

@@ -127,7 +127,9 @@ ROWS = [
     Row("chat_template", "{{ messages }}", "check", (CHAT,)),
     Row("chat_template_kwargs", {"enable_thinking": False}, "check", (CHAT,)),
     Row("mm_processor_kwargs", {"k": 1}, "refused", (CHAT,)),
-    Row("include_reasoning", False, "refused", (CHAT,)),
+    # the walk's server has no reasoning parser: the same answer (one that has:
+    # tests/integration/test_reasoning_serving.py)
+    Row("include_reasoning", False, "check", (CHAT,)),
     # ---- vLLM's completions fields ----
     Row("prompt_embeds", "AAAA", "refused", (COMPLETION,)),
 ]

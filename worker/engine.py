@@ -162,7 +162,9 @@ class Engine:
         params = request.sampling_params
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("reasoning_end_token_id", [t for t in (params.reasoning_end_token_id,)
+                                                      if t is not None])):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} must be token ids in [0, {vocab}), got {max(ids)}")
 
@@ -245,7 +247,8 @@ class Engine:
             # token is sampled (worker/parallel_sampling.py), so a fresh matcher is the clone of
             # the request's at the fork point.
             for member in req.group or [req]:
-                member.grammar = self.grammar_compiler.matcher(future.result())
+                member.grammar = self.grammar_compiler.matcher(
+                    future.result(), req.sampling_params.reasoning_end_token_id)
             self.scheduler.add(req)
         return deltas
 

@@ -104,10 +104,10 @@ class GrammarCompiler:
         return bool(bits.flatten()[:self.vocab_size].any())
 
     @staticmethod
-    def matcher(compiled) -> "GrammarMatcher":
+    def matcher(compiled, after_token: int | None = None) -> "GrammarMatcher":
         import xgrammar
 
-        return GrammarMatcher(xgrammar.GrammarMatcher(compiled))
+        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), after_token)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -119,27 +119,43 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar; advanced by each accepted token."""
+    """One request's position in its grammar; advanced by each accepted token.
 
-    def __init__(self, matcher):
+    With `after_token` (SamplingParams.reasoning_end_token_id: a reasoning model's end of its
+    thinking block, as vLLM applies structured outputs after the reasoning), the grammar sleeps
+    until that token is sampled: no mask, nothing accepted, never terminated; the grammar's
+    language starts with the token after it."""
+
+    def __init__(self, matcher, after_token: int | None = None):
         self._matcher = matcher
+        self.after_token = after_token
+
+    @property
+    def active(self) -> bool:
+        return self.after_token is None
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self.active:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
+        if not self.active:
+            if token_id == self.after_token:
+                self.after_token = None
+            return True
         return self._matcher.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted the end of sequence: nothing more may follow."""
-        return self._matcher.is_terminated()
+        return self.active and self._matcher.is_terminated()
 
 
 def apply_grammar_masks(logits: torch.Tensor, requests, vocab_size: int) -> None:
     """Mask, in place, the tokens each row's grammar forbids; rows without a grammar are left as
     they are. logits: [N, vocab] float32, requests: N engine Requests (their `.grammar`)."""
-    rows = [i for i, r in enumerate(requests) if getattr(r, "grammar", None) is not None]
+    rows = [i for i, r in enumerate(requests)
+            if getattr(r, "grammar", None) is not None and r.grammar.active]
     if not rows:
         return
     import xgrammar

@@ -63,6 +63,9 @@ PRESETS = {
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3's thinking-block markers: added tokens that are not special (decoded text keeps them, as
+# Qwen3's tokenizer does), so the presets serve with `--reasoning-parser qwen3 / deepseek_r1`.
+THINK_TOKENS = ["<think>", "</think>"]
 
 # ChatML, with Qwen3's switch for its thinking block: `enable_thinking: false` (a chat_template_kwargs
 # variable) opens the assistant's turn with an empty one, as Qwen3's own template does.
@@ -98,23 +101,24 @@ def hf_config_for(preset: str):
 
 
 def build_byte_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer with no merges: ids 0-255 are bytes, then the special tokens,
-    then filler tokens up to vocab_size (so every id a random model samples decodes)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level BPE tokenizer with no merges: ids 0-255 are bytes, then the special tokens and
+    the thinking-block markers, then filler tokens up to vocab_size (so every id a random model samples decodes)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     byte_to_char = _bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}
     assert set(vocab) == set(byte_chars)
-    for i, tok in enumerate(SPECIAL_TOKENS):
+    for i, tok in enumerate(SPECIAL_TOKENS + THINK_TOKENS):
         vocab[tok] = 256 + i
-    for i in range(256 + len(SPECIAL_TOKENS), vocab_size):
+    for i in range(256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS), vocab_size):
         vocab[f"<|t{i}|>"] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
         pad_token="<|endoftext|>")

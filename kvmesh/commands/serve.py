@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true", default=None,
                    help="let chat requests send their own Jinja chat_template "
                         "(server.trust_request_chat_template; vLLM's flag of the same name)")
+    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"],
+                   help="split a reasoning model's <think> block out of chat answers into `reasoning` "
+                        "(server.reasoning_parser; vLLM's flag of the same name)")
     p.add_argument("--address", help="join a running Ray cluster at ADDR instead of starting one")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this bearer token (repeat for several; adds to server.api_keys; "
@@ -99,6 +102,8 @@ def load_with_overrides(args):
         cfg["engine"]["max_num_seqs"] = args.max_num_seqs
     if getattr(args, "max_ongoing_requests", None) is not None:
         cfg["replicas"]["max_ongoing_requests"] = args.max_ongoing_requests
+    if getattr(args, "reasoning_parser", None):
+        cfg["server"]["reasoning_parser"] = args.reasoning_parser
     if getattr(args, "trust_request_chat_template", None):
         cfg["server"]["trust_request_chat_template"] = True
     for key in getattr(args, "api_key", None) or []:

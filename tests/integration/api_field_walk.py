@@ -108,7 +108,8 @@ def check_stream_options(url, kind, row):
 def check_same_answer(url, kind, row):
     # `user` and `prompt_cache_key` are session routing keys (where they route:
     # tests/integration/test_session_routing.py); add_special_tokens and documents change nothing
-    # for the tiny model's tokenizer and template (tests/integration/test_prompt_rendering.py)
+    # for the tiny model's tokenizer and template (tests/integration/test_prompt_rendering.py);
+    # include_reasoning changes nothing without a reasoning parser
     assert outcome(answer(url, kind, **{row.field: row.value}), kind) == outcome(answer(url, kind), kind)
 
 
@@ -365,6 +366,7 @@ CHECKS = {
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
     "stream": check_stream, "stream_options": check_stream_options, "user": check_same_answer, "prompt_cache_key": check_same_answer, "add_special_tokens": check_same_answer, "documents": check_same_answer,
+    "include_reasoning": check_same_answer,
     "chat_template": check_untrusted_chat_template,
     "prompt": check_prompts, "messages": check_messages,
     ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,
