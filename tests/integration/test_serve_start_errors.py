@@ -81,6 +81,16 @@ def test_an_unsupported_architecture_is_refused_before_ray_starts(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_reasoning_parser_whose_markers_the_tokenizer_lacks_is_refused_before_ray_starts():
+    """docs/SERVING.md "Reasoning models": the default SmolLM2 has no <think> token."""
+    result = run_serve("--reasoning-parser", "qwen3", timeout=120)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert ("server.reasoning_parser: qwen3 reads <think> ... </think>, but this model's tokenizer "
+            "has no single token for <think> or </think>") in last, result.stderr
+    assert "Traceback" not in result.stderr and "ray" not in result.stdout.lower(), result.stderr
+
+
 def tiny_llama_dir(path, tokenizer: bool):
     from transformers import LlamaConfig
 

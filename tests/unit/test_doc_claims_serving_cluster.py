@@ -221,7 +221,8 @@ def test_kvmesh_serve_options_override_the_config(tmp_path):
     """Run it: "Options override the config: `--replicas`, `--device cpu|cuda` (`cpu` also sets
     `replicas.num_gpus: 0`), `--model`, `--policy`, `--host`, `--http-port`, `--grpc-port` ...,
     `--direct-http-port` ..., `--responses-store N` ..., `--scheduling-policy fcfs|priority`,
-    `--max-num-seqs N`, `--max-ongoing-requests N`, `--trust-request-chat-template`"."""
+    `--max-num-seqs N`, `--max-ongoing-requests N`, `--trust-request-chat-template`,
+    `--reasoning-parser qwen3|deepseek_r1`"."""
     from kvmesh.commands.serve import load_with_overrides
 
     config = tmp_path / "serve.yaml"
@@ -232,18 +233,20 @@ def test_kvmesh_serve_options_override_the_config(tmp_path):
         str(config), "--replicas", "3", "--device", "cpu", "--model", "random:tiny-qwen3",
         "--policy", "round_robin", "--host", "0.0.0.0", "--http-port", "8100", "--grpc-port", "0",
         "--direct-http-port", "8200", "--responses-store", "50", "--scheduling-policy", "priority",
-        "--max-num-seqs", "4", "--max-ongoing-requests", "256", "--trust-request-chat-template"))
+        "--max-num-seqs", "4", "--max-ongoing-requests", "256", "--trust-request-chat-template",
+        "--reasoning-parser", "deepseek_r1"))
     assert (cfg.replicas.num_replicas, cfg.engine.device, cfg.replicas.num_gpus) == (3, "cpu", 0)
     assert (cfg.model, cfg.routing.policy) == ("random:tiny-qwen3", "round_robin")
     assert (cfg.server.host, cfg.server.http_port, cfg.server.grpc_port,
             cfg.server.direct_http_port, cfg.server.responses_store) == ("0.0.0.0", 8100, 0, 8200, 50)
     assert (cfg.engine.scheduling_policy, cfg.engine.max_num_seqs, cfg.replicas.max_ongoing_requests) == (
         "priority", 4, 256)
-    assert cfg.server.trust_request_chat_template is True
+    assert cfg.server.trust_request_chat_template is True and cfg.server.reasoning_parser == "deepseek_r1"
     with pytest.raises(ValueError, match="engine.max_num_seqs"):
         load_with_overrides(serve_args(str(config), "--max-num-seqs", "0"))
     plain = load_with_overrides(serve_args(str(config)))
     assert plain.server.grpc_port == 9000 and plain.server.trust_request_chat_template is False  # the file's
+    assert plain.server.reasoning_parser is None
 
 
 # `--grpc-port 0` (no gRPC) and `--direct-http-port 0` (off) on running clusters:

@@ -36,7 +36,8 @@ def test_defaults_match_the_contract():
         "itl_p90_target_s": 0.1, "window_s": 30}
     assert cfg["server"] == {"host": "127.0.0.1", "http_port": 8000, "stream_interval": 1, "grpc_port": 9000, "direct_http_port": 0, "api_keys": [],
                              "auth_health": False, "auth_metrics": False,
-                             "special_tokens_in_content": False, "trust_request_chat_template": False, "api_docs": False,
+                             "special_tokens_in_content": False, "trust_request_chat_template": False,
+                             "reasoning_parser": None, "structured_outputs_in_reasoning": False, "api_docs": False,
                              "stream_idle_timeout_s": 30.0,
                              "max_header_bytes": 65_536, "header_timeout_s": 10.0,
                              "keep_alive_timeout_s": 90, "grpc_max_message_bytes": 4_194_304,

@@ -247,3 +247,25 @@ def test_n3_under_a_json_schema_gives_three_schema_valid_sequences(llm):
         assert sequence.finish_reason == "stop"
         jsonschema.validate(json.loads(sequence.text), SCHEMA)
     assert len({s.text for s in out.sequences}) > 1  # sampled apart, not one state shared
+
+
+def test_a_grammar_after_the_end_of_thinking_sleeps_until_that_token_is_sampled():
+    """SamplingParams.reasoning_end_token_id (set by a server with a reasoning parser,
+    cluster/reasoning.py): the grammar constrains only the tokens after </think> (id 260 in the
+    presets' byte tokenizer), and not at all while it is not sampled."""
+    tiny = LLM("random:tiny-qwen3", device="cpu")
+    regex = StructuredOutputs(regex="[a-c]{4}")
+
+    def tokens(**kwargs):
+        params = SamplingParams(max_tokens=10, temperature=0, structured_outputs=regex,
+                                reasoning_end_token_id=260, **kwargs)
+        return tiny.generate(["Name three letters."], params, use_tqdm=False)[0]
+
+    ended = tokens(logit_bias={260: 100})  # </think> first, then the grammar holds the rest
+    assert ended.token_ids[0] == 260 and re.fullmatch("</think>[a-c]{4}", ended.text), ended.text
+    assert ended.finish_reason == "stop"  # the grammar completed
+    free = tokens(logit_bias={260: -100})
+    assert len(free.token_ids) == 10 and free.finish_reason == "length"
+    assert not re.fullmatch("[a-c]*", free.text)  # ten unconstrained tokens
+    with pytest.raises(ValueError, match=r"reasoning_end_token_id must be token ids in \[0, 512\)"):
+        tiny.generate(["x"], SamplingParams(structured_outputs=regex, reasoning_end_token_id=512))
