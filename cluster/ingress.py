@@ -434,7 +434,8 @@ class Ingress(GrpcService, HealthService):
                 else:  # started at once, as vLLM runs them
                     streams = await self.pipeline.streams_of_several(admitted)
                 if responses is not None:  # one prompt, one choice
-                    body = responses_api.sse_events(streams[0], responses, tools, shaper.logprob_entries, keep)
+                    body = responses_api.sse_events(streams[0], responses, tools, shaper.logprob_entries, keep,
+                                                    reasoning)
                 elif tools is not None:  # chat: one prompt
                     body = sse_tool_body(streams[0], shaper, include_usage, tools, req.n, reasoning)
                 else:

@@ -5,19 +5,23 @@ string, or a list of messages whose content is a string or input_text / output_t
 `instructions` as a system message, `max_output_tokens`, `temperature`, `top_p`, `text.format`
 (text, json_object, json_schema: the chat's response_format), `user`, `stream`, the token logprobs
 of `include: ["message.output_text.logprobs"]` with `top_logprobs` alternatives, and vLLM's
-sampling fields (seed, stop, top_k, min_p, penalties), `priority` and `cache_salt`. Function `tools`, `tool_choice` and
+sampling fields (seed, stop, top_k, min_p, penalties), `priority`, `cache_salt`, `structured_outputs`,
+`include_reasoning` and `chat_template_kwargs`. Function `tools`, `tool_choice` and
 `parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
 `function_call` / `function_call_output` input items are an assistant's tool calls and their tool
-messages. With the server's store on (`server.responses_store`, cluster/response_store.py),
+messages; `reasoning` input items (an earlier answer's thinking sent back) are taken and not
+rendered. With the server's store on (`server.responses_store`, cluster/response_store.py),
 `store: true` keeps the response with its input items (`input_items`, listed by `item_page`),
 `background: true` (stored) answers at once and runs on in the ingress (cluster/ingress.py), and
 `previous_response_id` runs the request after a stored response's conversation. What it cannot honour is refused with a 400 naming the field: other tool
 types, `store: true` and `previous_response_id` with the store off, `reasoning`, other `include`s,
 `truncation: "auto"`, image / file / audio parts, other input items, and any unknown field.
 
-Its answer is a `response` object (`response_body`) whose output is the assistant's message and
+Its answer is a `response` object (`response_body`) whose output is, on a server with a reasoning
+parser, the thinking block's `reasoning` item (cluster/reasoning.py), the assistant's message and
 then one `function_call` item per tool call, or, streamed, OpenAI's typed server-sent events
-(`sse_events`): response.created, response.in_progress; for the message
+(`sse_events`): response.created, response.in_progress; for the reasoning
+response.output_item.added and one response.reasoning_text.delta per piece; for the message
 response.output_item.added, response.content_part.added, one response.output_text.delta per text
 delta; for each call response.output_item.added and its response.function_call_arguments.delta
 fragments; then each item's .done events, and response.completed, or response.incomplete when
@@ -42,7 +46,7 @@ logger = logging.getLogger("kvmesh.cluster")
 SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
 # vLLM's request fields of /v1/responses that the chat takes as they are
-VLLM_EXTRAS = ("priority", "cache_salt")
+VLLM_EXTRAS = ("priority", "cache_salt", "structured_outputs", "include_reasoning", "chat_template_kwargs")
 FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                     "stream", "store", "metadata", "user", "prompt_cache_key", "text", "tools", "tool_choice",
                     "parallel_tool_calls", "truncation", "previous_response_id", "reasoning", "include",
@@ -156,7 +160,7 @@ def input_items(body: dict) -> list[dict]:
 
 def _listed(item: dict) -> dict:
     kind = item.get("type", "message")
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
     out = {"id": f"{prefix}_{uuid.uuid4().hex}", **item, "type": kind}
     if kind == "message" and isinstance(item["content"], str):
         part = ({"type": "output_text", "text": item["content"], "annotations": []} if item["role"] == "assistant"
@@ -232,9 +236,11 @@ def _add_items(messages: list[dict], items: list, name: str) -> None:
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                              "content": _string(item, "output", where)})
             continue
+        if kind == "reasoning":  # an earlier answer's thinking, sent back: not rendered (the
+            continue             # reasoning templates drop earlier turns' thinking)
         if kind != "message":
-            raise _bad(f"{where}.type", f"{kind!r} items are not supported; only message, function_call "
-                       "and function_call_output")
+            raise _bad(f"{where}.type", f"{kind!r} items are not supported; only message, function_call, "
+                       "function_call_output and reasoning")
         role = item.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"{where}.role", f"one of {', '.join(ROLES)}")
@@ -315,6 +321,7 @@ class ResponseShaper:
     def __init__(self, body: dict, model: str, created_at: int, earlier: list | None = None):
         self.id = f"resp_{uuid.uuid4().hex}"  # OpenAI's form of these ids: an underscore
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.body = body
         self.model = model
         self.created_at = created_at
@@ -344,6 +351,12 @@ class ResponseShaper:
                 "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                 "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
                 "user": body.get("user"), "metadata": body.get("metadata") or {}}
+
+    def reasoning(self, text: str | None, status: str) -> dict:
+        """The reasoning item of a reasoning model's thinking block (server.reasoning_parser)."""
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content,
+                "encrypted_content": None, "status": status}
 
     def message(self, text: str | None, status: str, logprobs: list | None = None) -> dict:
         content = [] if text is None else [self.part(text, logprobs)]
@@ -385,8 +398,9 @@ def response_body(shaper: ResponseShaper, chat: dict) -> dict:
     message = choice["message"]
     calls = message.get("tool_calls") or []
     logprobs = (choice.get("logprobs") or {}).get("content")
-    output = ([shaper.message(message.get("content") or "", status, logprobs)]
-              if message.get("content") or not calls else [])
+    output = [shaper.reasoning(message["reasoning"], status)] if message.get("reasoning") is not None else []
+    output += ([shaper.message(message.get("content") or "", status, logprobs)]
+               if message.get("content") or not calls else [])
     output += [function_call(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                for c in calls]
     u = chat["usage"]
@@ -399,10 +413,12 @@ def _event(kind: str, sequence: int, **data) -> bytes:
     return f"event: {kind}\ndata: {payload}\n\n".encode()
 
 
-async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=None, keep=None):
+async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=None, keep=None,
+                     reasoning=None):
     """The typed events of a streamed response over an admitted request's DeltaStream; with
     `tools` (a ToolRequest) the text is read into content and tool calls as the chat's stream reads
-    it (tool_parser.ToolStream). `logprobs_of(delta)`: the logprob entries of a delta's tokens
+    it (tool_parser.ToolStream); with `reasoning` (cluster.reasoning.ChatReasoning) the thinking
+    block goes first, as a reasoning item and its response.reasoning_text.delta events. `logprobs_of(delta)`: the logprob entries of a delta's tokens
     (None: none asked for). `keep(response)`: awaited with the finished response before its last
     event (the store); if it raises, the last event is response.failed. Closing it closes the
     stream (SseResponse does so however the response ends)."""
@@ -431,11 +447,29 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
                 event("response.content_part.added", item_id=shaper.message_id, output_index=message["index"],
                       content_index=0, part=shaper.part(""))]
 
+    thought: dict | None = None  # the reasoning item, created at its first text
+
+    def reasoning_events(text: str) -> list[bytes]:
+        nonlocal thought, held
+        out = []
+        if thought is None:
+            thought = {"_text": [], "index": len(items)}
+            items.append(thought)
+            out.append(event("response.output_item.added", output_index=thought["index"],
+                              item=shaper.reasoning(None, "in_progress")))
+        thought["_text"].append(text)
+        held = []  # the thinking's tokens: their logprobs are not output_text's
+        out.append(event("response.reasoning_text.delta", item_id=shaper.reasoning_id,
+                         output_index=thought["index"], content_index=0, delta=text))
+        return out
+
     def pieces_events(pieces: list[dict], logprobs: list) -> list[bytes]:
         nonlocal held
         held = held + logprobs
         out = []
         for piece in pieces:
+            if piece.get("reasoning"):
+                out += reasoning_events(piece["reasoning"])
             if piece.get("content"):
                 if message is None:
                     out += open_message()
@@ -465,13 +499,17 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
     async with stream:
         yield event("response.created", response=shaper.response("in_progress", []))
         yield event("response.in_progress", response=shaper.response("in_progress", []))
-        if parser is None:
+        if parser is None and reasoning is None:
             for chunk in open_message():
                 yield chunk
         last = None
         async for delta in stream:
             last = delta
-            pieces = parser.feed(delta.text) if parser is not None else [{"content": delta.text}]
+            text, pieces = delta.text, []
+            if reasoning is not None:
+                said, text = reasoning.piece(delta.index, text, delta.finish_reason is not None)
+                pieces = [{"reasoning": said}] if said else []
+            pieces += parser.feed(text) if parser is not None else [{"content": text}]
             if parser is not None and delta.finish_reason is not None:
                 pieces += parser.finish()
             logprobs = logprobs_of(delta) if logprobs_of is not None else []
@@ -498,7 +536,12 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
         status, incomplete = _ending(last.finish_reason)
         output = []
         for item in items:
-            if item is message:
+            if item is thought:
+                text = text_of(thought)
+                yield event("response.reasoning_text.done", item_id=shaper.reasoning_id,
+                            output_index=thought["index"], content_index=0, text=text)
+                output.append(shaper.reasoning(text, status))
+            elif item is message:
                 text = text_of(message)
                 where = {"item_id": shaper.message_id, "output_index": message["index"], "content_index": 0}
                 logprobs = message["_logprobs"]

@@ -3,7 +3,7 @@
 `reasoning`, the rest to `content`, whole and streamed (the official openai client reads both),
 tools read from the content only, include_reasoning false drops the reasoning, a prompt whose
 thinking block is closed (Qwen3's enable_thinking false) leaves the answer all content; gRPC's
-`reasoning` field says the same.
+`reasoning` field and /v1/responses' reasoning item say the same.
 
 The random model does not think by itself: a regex holds it to a thinking block's form, which
 `server.structured_outputs_in_reasoning` (vLLM's enable_in_reasoning) lets the grammar constrain.
@@ -18,6 +18,7 @@ import pytest
 from cluster_support import config_cluster
 from kvmesh.cluster.client import grpc_stream
 from reliability_support import http
+from test_cluster_serving import responses_events
 
 pytestmark = pytest.mark.slow
 
@@ -139,3 +140,35 @@ def test_grpc_streams_the_reasoning_in_its_own_field(cluster):
     off = list(grpc_stream(cluster.grpc_target, messages=ASK, max_tokens=120, temperature=0,
                            structured_outputs=spec, include_reasoning=False))
     assert not any(m.reasoning for m in off) and "".join(m.text for m in off) == whole["content"]
+
+
+def test_a_response_has_the_reasoning_item_before_the_message_whole_and_streamed(openai_client, cluster):
+    """/v1/responses (vLLM's structured_outputs and include_reasoning fields pass through): the
+    thinking block is a reasoning item, the official client's `output_text` the content; streamed,
+    response.reasoning_text.delta events join to the same text; a reasoning item sent back as
+    input is taken and not rendered (the same answer as without it)."""
+    whole = chat(cluster, THINKING)["choices"][0]["message"]
+    kwargs = dict(model=MODEL, input=ASK[0]["content"], max_output_tokens=120, temperature=0,
+                  extra_body={"structured_outputs": {"regex": THINKING}})
+    response = openai_client.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert [c.text for c in response.output[0].content] == [whole["reasoning"]]
+    assert response.output_text == whole["content"]
+    events = responses_events(cluster, {"model": MODEL, "input": ASK[0]["content"], "max_output_tokens": 120,
+                                        "temperature": 0, "structured_outputs": {"regex": THINKING}})
+    deltas = [data["delta"] for kind, data in events if kind == "response.reasoning_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole["reasoning"]
+    done = dict(events)["response.completed"]["response"]
+    assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["content"][0]["text"] == whole["reasoning"]
+    assert done["output"][1]["content"][0]["text"] == whole["content"]
+    without = openai_client.responses.create(**{**kwargs, "extra_body": {
+        **kwargs["extra_body"], "include_reasoning": False}})
+    assert [item.type for item in without.output] == ["message"] and without.output_text == whole["content"]
+    replayed = openai_client.responses.create(**{**kwargs, "input": [
+        {"role": "user", "content": "Earlier question."}, response.output[0].model_dump(exclude_none=True),
+        {"role": "assistant", "content": "Earlier answer."}, {"role": "user", "content": ASK[0]["content"]}]})
+    plain = openai_client.responses.create(**{**kwargs, "input": [
+        {"role": "user", "content": "Earlier question."}, {"role": "assistant", "content": "Earlier answer."},
+        {"role": "user", "content": ASK[0]["content"]}]})
+    assert replayed.output_text == plain.output_text

@@ -76,7 +76,7 @@ def test_text_format_is_the_chats_response_format(text, expected):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input.0.arguments"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
@@ -410,3 +410,14 @@ def test_a_tokens_logprobs_wait_for_its_text_and_none_is_lost():
     assert [lp["token"] for lp in done["logprobs"]] == ["t1", "t2", "t3"]
     final = events[-1]["response"]["output"][0]["content"][0]
     assert final["text"] == "é!" and [lp["token"] for lp in final["logprobs"]] == ["t1", "t2", "t3"]
+
+
+def test_a_reasoning_item_sent_back_is_taken_and_not_rendered():
+    """docs/SERVING.md "Reasoning models": an earlier answer's reasoning item in the input."""
+    earlier = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "thinking"}]}
+    chat = chat_body({"model": "m", "input": [{"role": "user", "content": "a"}, earlier,
+                                              {"role": "assistant", "content": "b"},
+                                              {"role": "user", "content": "c"}]})
+    assert chat["messages"] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                {"role": "user", "content": "c"}]
