@@ -37,6 +37,73 @@ def heads_per_program(num_tokens: int) -> int:
     return FIXED_HEADS or (8 if num_tokens >= MANY_TOKENS else 1)
 
 
+# Experiment (A/B, off by default): below MANY_TOKENS, ROWS heads a program as one [ROWS, head_dim]
+# tile over ROWS warps, so a decode step's launch has ROWS times fewer one-warp programs (a
+# 256-token step: 6,144 programs of one warp, more than one wave at 32 resident blocks an SM).
+ROWS = int(os.environ.get("KVMESH_ROTARY_ROWS", "0"))
+
+
+@triton.jit
+def _rotary_rows_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions, cos_ptr, sin_ptr,
+                        k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads,
+                        num_k_heads, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                        STORE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, ROWS_: tl.constexpr):
+    """Program (token, group of ROWS_ heads): the heads as the rows of one tile, each row what
+    _rotate_head does to its head."""
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * ROWS_ + tl.arange(0, ROWS_)
+    valid = heads < num_q_heads + num_k_heads
+    is_q = heads < num_q_heads
+    kv_head = tl.where(is_q, 0, heads - num_q_heads)
+    offs = tl.arange(0, BLOCK)
+    cmask = offs < HALF
+    mask = valid[:, None] & cmask[None, :]
+    pos = tl.load(positions + token).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HALF + offs, mask=cmask, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + offs, mask=cmask, other=0.0)[None, :]
+    src = tl.where(is_q, q_ptr + token * stride_qt + heads * stride_qh,
+                   k_ptr + token * stride_kt + kv_head * stride_kh)
+    dtype = q_out.dtype.element_ty
+    x1 = tl.load(src[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        row = tl.arange(0, 2 * BLOCK)
+        whole = tl.load(src[:, None] + row[None, :], mask=valid[:, None] & (row < 2 * HALF)[None, :],
+                        other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(whole * whole, 1) / (2 * HALF) + eps)[:, None]
+        w = tl.where(is_q, wq_ptr, wk_ptr)
+        w1 = tl.load(w[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w[:, None] + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    qmask = mask & is_q[:, None]
+    qdst = q_out + (token * num_q_heads + tl.where(is_q, heads, 0)) * 2 * HALF
+    tl.store(qdst[:, None] + offs[None, :], y1, mask=qmask)
+    tl.store(qdst[:, None] + HALF + offs[None, :], y2, mask=qmask)
+    kmask = mask & (heads >= num_q_heads)[:, None]
+    if STORE:
+        slot = tl.load(slot_mapping + token + tl.zeros([ROWS_], tl.int32))  # the token's, per row
+        kmask = kmask & (slot >= 0)[:, None]  # a negative slot is CUDA-graph padding
+        at = slot.to(tl.int64) * num_k_heads * 2 * HALF + kv_head * 2 * HALF
+        vsrc = v_ptr + token * stride_vt + kv_head * stride_vh
+        v1 = tl.load(vsrc[:, None] + offs[None, :], mask=kmask, other=0.0)
+        v2 = tl.load(vsrc[:, None] + HALF + offs[None, :], mask=kmask, other=0.0)
+        cdt = k_cache.dtype.element_ty
+        tl.store(k_cache + at[:, None] + offs[None, :], cache_value(y1, k_inv_scale, FP8, FP8_MAX, cdt), mask=kmask)
+        tl.store(k_cache + at[:, None] + HALF + offs[None, :], cache_value(y2, k_inv_scale, FP8, FP8_MAX, cdt),
+                 mask=kmask)
+        tl.store(v_cache + at[:, None] + offs[None, :], cache_value(v1, v_inv_scale, FP8, FP8_MAX, cdt), mask=kmask)
+        tl.store(v_cache + at[:, None] + HALF + offs[None, :], cache_value(v2, v_inv_scale, FP8, FP8_MAX, cdt),
+                 mask=kmask)
+    else:
+        kdst = k_out + (token * num_k_heads + kv_head) * 2 * HALF
+        tl.store(kdst[:, None] + offs[None, :], y1, mask=kmask)
+        tl.store(kdst[:, None] + HALF + offs[None, :], y2, mask=kmask)
+
+
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, positions, cos_ptr, sin_ptr,
                    k_cache, v_cache, slot_mapping, k_inv_scale, v_inv_scale,
@@ -107,7 +174,7 @@ def _rotate_head(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, cos, sin, k_
         tl.store(dst + HALF + offs, y2, mask=mask)
 
 
-def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None):
+def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None, rows=None):
     """norm: (q_weight, k_weight, eps) or None; store: (v, k_cache, v_cache, slot_mapping, k_scale,
     v_scale) or None; heads: heads per program (None: heads_per_program). Returns (q_out, k_out),
     k_out None when K went into the cache."""
@@ -131,7 +198,17 @@ def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None):
         k_inv, v_inv = 1.0 / k_scale, 1.0 / v_scale
     else:
         v, k_cache, v_cache, slot_mapping, fp8, k_inv, v_inv = k, q, q, positions, False, 1.0, 1.0
-    if num_tokens:
+    rows = ROWS if rows is None else rows
+    if num_tokens and rows and heads is None and num_tokens < MANY_TOKENS:
+        half = head_dim // 2
+        _rotary_rows_kernel[(num_tokens, triton.cdiv(num_q_heads + num_k_heads, rows))](
+            q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
+            k_cache, v_cache, slot_mapping, k_inv, v_inv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            num_q_heads, num_k_heads, eps, HALF=half, BLOCK=triton.next_power_of_2(half),
+            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, ROWS_=rows,
+            num_warps=rows)
+    elif num_tokens:
         half = head_dim // 2
         heads = min(heads or heads_per_program(num_tokens), num_q_heads + num_k_heads)
         _rotary_kernel[(num_tokens, triton.cdiv(num_q_heads + num_k_heads, heads))](

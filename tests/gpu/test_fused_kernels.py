@@ -133,3 +133,33 @@ def test_rotate_and_store_writes_the_bytes_of_the_rotation_then_store_kvcache(ca
     for a, b in zip(fused, apart):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert fused[0].view(torch.uint8).count_nonzero() > 0
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_the_heads_as_rows_of_one_tile_write_the_bits_of_one_head_a_program(rows):
+    """KVMESH_ROTARY_ROWS (an experiment, kvmesh.kernels.rotary.ROWS): the normed rotation storing
+    K / V with `rows` heads a program as one tile, at a decode step's shape (256 tokens, Qwen3-0.6B's
+    16 + 8 heads), equals one head a program bit for bit: q, and the cache's bytes."""
+    from kvmesh.kernels.rotary import _launch
+    from kvmesh.worker.layers import rotary
+    from kvmesh.worker.presets import hf_config_for
+
+    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
+    heads, kv_heads, tokens = 16, 8, 256
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda") * 3
+    q = qkv[:, :heads * 128].view(tokens, heads, 128)
+    k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(tokens, kv_heads, 128)
+    v = qkv[:, (heads + kv_heads) * 128:].view(tokens, kv_heads, 128)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    slots = torch.randperm(40 * 16, device="cuda")[:tokens]
+    slots[[3, 17]] = -1
+    norm = (torch.randn(128, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(128, dtype=torch.bfloat16, device="cuda"), 1e-6)
+    outs = []
+    for r in (0, rows):
+        cache = [torch.zeros(40, 16, kv_heads, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        fq = _launch(positions, q, k, emb.cos, emb.sin, norm=norm, store=(v, *cache, slots, 1.0, 1.0), rows=r)[0]
+        outs.append((fq, cache))
+    (q1, c1), (qr, cr) = outs
+    assert torch.equal(q1, qr)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(c1, cr))

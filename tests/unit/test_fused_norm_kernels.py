@@ -80,16 +80,19 @@ SCRIPT = textwrap.dedent("""
         # 4 a program over 4 q + 2 k heads mixes q and k in one program and leaves two slots past
         # the last head; the same bits as one head a program, K / V stored alike
         from kvmesh.kernels.rotary import _launch
+        # and the heads as the rows of one tile (KVMESH_ROTARY_ROWS, an experiment: 4 rows over the
+        # 6 heads, 2 over them)
         runs = []
-        for heads in (1, 4):
+        for heads, rows in ((1, 0), (4, 0), (None, 4), (None, 2)):
             cache = [torch.zeros(4, 4, 2, 32, dtype=dtype) for _ in range(2)]
-            plain = _launch(positions, q, k, emb.cos, emb.sin, norm=(wq, wk, 1e-6), heads=heads)
+            plain = _launch(positions, q, k, emb.cos, emb.sin, norm=(wq, wk, 1e-6), heads=heads, rows=rows)
             stored = _launch(positions, q, k, emb.cos, emb.sin, norm=(wq, wk, 1e-6),
-                             store=(v, *cache, slots, 1.0, 1.0), heads=heads)[0]
+                             store=(v, *cache, slots, 1.0, 1.0), heads=heads, rows=rows)[0]
             runs.append((plain, stored, cache))
-        (p1, s1, c1), (p4, s4, c4) = runs
-        out[f"grouped_{name}_bits"] = (torch.equal(p1[0], p4[0]) and torch.equal(p1[1], p4[1])
-                                       and torch.equal(s1, s4) and all(torch.equal(a, b) for a, b in zip(c1, c4)))
+        (p1, s1, c1), *others = runs
+        for label, (p4, s4, c4) in zip(("grouped", "rows4", "rows2"), others):
+            out[f"{label}_{name}_bits"] = (torch.equal(p1[0], p4[0]) and torch.equal(p1[1], p4[1])
+                                           and torch.equal(s1, s4) and all(torch.equal(a, b) for a, b in zip(c1, c4)))
     print(json.dumps(out))
 """)
 
@@ -100,7 +103,8 @@ def result():
 
 
 @pytest.mark.parametrize("name", ["add_float32_bits", "add_bfloat16_bits", "qk_float32_bits", "qk_bfloat16_bits",
-                                  "grouped_float32_bits", "grouped_bfloat16_bits"])
+                                  "grouped_float32_bits", "grouped_bfloat16_bits", "rows4_float32_bits",
+                                  "rows4_bfloat16_bits", "rows2_float32_bits", "rows2_bfloat16_bits"])
 def test_fused_kernel_equals_the_separate_kernels_bit_for_bit(result, name):
     assert result[name] is True
 
