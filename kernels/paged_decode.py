@@ -135,12 +135,6 @@ def _merge_splits_kernel(part_out, part_lse, out_ptr, seq_lens, num_splits, stri
     tl.store(out_ptr + seq * stride_o_token + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-# Warps of a split-merge program (one (sequence, head) row of head_dim values, each value merged on
-# its own: the same bits at any count). KVMESH_MERGE_WARPS for A/B runs: fewer warps a program put
-# more of a 256-sequence step's 4,096 programs in one wave.
-MERGE_WARPS = int(os.environ.get("KVMESH_MERGE_WARPS", "4"))
-
-
 # Decode in splits of this many keys (chunk mode), with these tiles: nvidia-h200, 2026-12-03 s22
 # (docs/PERF.md "Attention kernels"): ~94% of the copy rate over the KV at batches of 128-256 with
 # contexts of 100-2,048 tokens, where flash_attn_with_kvcache reads at 82%.
@@ -209,4 +203,4 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, seq_lens, num_splits, out.stride(0), out.stride(1),
             NUM_SPLITS=0 if chunk else num_splits, SPLITS_P2=1 if chunk else triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, CHUNK=chunk, num_warps=MERGE_WARPS)
+            HEAD_DIM=head_dim, CHUNK=chunk, num_warps=4)

@@ -37,10 +37,19 @@ def heads_per_program(num_tokens: int) -> int:
     return FIXED_HEADS or (8 if num_tokens >= MANY_TOKENS else 1)
 
 
-# Experiment (A/B, off by default): below MANY_TOKENS, ROWS heads a program as one [ROWS, head_dim]
-# tile over ROWS warps, so a decode step's launch has ROWS times fewer one-warp programs (a
-# 256-token step: 6,144 programs of one warp, more than one wave at 32 resident blocks an SM).
-ROWS = int(os.environ.get("KVMESH_ROTARY_ROWS", "0"))
+# From ROWS_FROM tokens up to MANY_TOKENS (decode steps of 64-256 sequences), ROWS heads a program
+# as one [ROWS, head_dim] tile over ROWS warps: a 256-token step's 6,144 one-warp programs are more
+# than one wave at 32 resident blocks an SM; 1,536 of four warps are one. The same bits as one head
+# a program (tests/gpu/test_fused_kernels.py). At 256 tokens 3.3 against 5.1 us a launch, at 64
+# 2.2 against 2.3, at 8 1.9 against 1.8 (H100, CUDA-graph replays; docs/PERF.md "What limits it").
+# KVMESH_ROTARY_ROWS=0: one head a program at every size (A/B runs).
+ROWS = int(os.environ.get("KVMESH_ROTARY_ROWS", "4"))
+ROWS_FROM = 64
+
+
+def rows_per_program(num_tokens: int) -> int:
+    """Heads a program as one tile's rows (0: one head a program, heads_per_program's launch)."""
+    return ROWS if ROWS_FROM <= num_tokens < MANY_TOKENS else 0
 
 
 @triton.jit
@@ -176,7 +185,8 @@ def _rotate_head(q_ptr, k_ptr, v_ptr, q_out, k_out, wq_ptr, wk_ptr, cos, sin, k_
 
 def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None, rows=None):
     """norm: (q_weight, k_weight, eps) or None; store: (v, k_cache, v_cache, slot_mapping, k_scale,
-    v_scale) or None; heads: heads per program (None: heads_per_program). Returns (q_out, k_out),
+    v_scale) or None; heads: heads per program (None: heads_per_program); rows: heads a program as
+    one tile (None: rows_per_program; 0: not; a given `heads` takes precedence). Returns (q_out, k_out),
     k_out None when K went into the cache."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
@@ -198,8 +208,8 @@ def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None, rows=N
         k_inv, v_inv = 1.0 / k_scale, 1.0 / v_scale
     else:
         v, k_cache, v_cache, slot_mapping, fp8, k_inv, v_inv = k, q, q, positions, False, 1.0, 1.0
-    rows = ROWS if rows is None else rows
-    if num_tokens and rows and heads is None and num_tokens < MANY_TOKENS:
+    rows = rows_per_program(num_tokens) if rows is None else rows
+    if num_tokens and rows and heads is None:
         half = head_dim // 2
         _rotary_rows_kernel[(num_tokens, triton.cdiv(num_q_heads + num_k_heads, rows))](
             q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,

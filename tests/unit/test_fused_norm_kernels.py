@@ -159,9 +159,13 @@ def test_the_xqa_switch_is_off_unless_set_to_1(value, on):
 
 
 def test_prompt_chunks_take_eight_heads_a_program_decode_steps_one(monkeypatch):
+    """...and decode steps of 64 tokens or more four heads a program as the rows of one tile."""
     from kvmesh.kernels import rotary
 
     monkeypatch.setattr(rotary, "FIXED_HEADS", 0)
     assert [rotary.heads_per_program(n) for n in (1, 256, 2047, 2048, 16384)] == [1, 1, 1, 8, 8]
+    assert [rotary.rows_per_program(n) for n in (1, 63, 64, 256, 2047, 2048)] == [0, 0, 4, 4, 4, 0]
+    monkeypatch.setattr(rotary, "ROWS", 0)  # KVMESH_ROTARY_ROWS=0
+    assert rotary.rows_per_program(256) == 0
     monkeypatch.setattr(rotary, "FIXED_HEADS", 4)  # KVMESH_ROTARY_HEADS=4
     assert rotary.heads_per_program(1) == rotary.heads_per_program(16384) == 4
