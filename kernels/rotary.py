@@ -208,26 +208,22 @@ def _launch(positions, q, k, cos, sin, norm=None, store=None, heads=None, rows=N
         k_inv, v_inv = 1.0 / k_scale, 1.0 / v_scale
     else:
         v, k_cache, v_cache, slot_mapping, fp8, k_inv, v_inv = k, q, q, positions, False, 1.0, 1.0
+    if not num_tokens:
+        return q_out, k_out
+    half, all_heads = head_dim // 2, num_q_heads + num_k_heads
+    args = (q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
+            k_cache, v_cache, slot_mapping, k_inv, v_inv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            num_q_heads, num_k_heads, eps)
+    consts = dict(HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm is not None,
+                  STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX)
     rows = rows_per_program(num_tokens) if rows is None else rows
-    if num_tokens and rows and heads is None:
-        half = head_dim // 2
-        _rotary_rows_kernel[(num_tokens, triton.cdiv(num_q_heads + num_k_heads, rows))](
-            q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
-            k_cache, v_cache, slot_mapping, k_inv, v_inv,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            num_q_heads, num_k_heads, eps, HALF=half, BLOCK=triton.next_power_of_2(half),
-            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, ROWS_=rows,
-            num_warps=rows)
-    elif num_tokens:
-        half = head_dim // 2
-        heads = min(heads or heads_per_program(num_tokens), num_q_heads + num_k_heads)
-        _rotary_kernel[(num_tokens, triton.cdiv(num_q_heads + num_k_heads, heads))](
-            q, k, v, q_out, k_out if k_out is not None else q_out, q_weight, k_weight, positions, cos, sin,
-            k_cache, v_cache, slot_mapping, k_inv, v_inv,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            num_q_heads, num_k_heads, eps, HALF=half, BLOCK=triton.next_power_of_2(half),
-            NORM=norm is not None, STORE=store is not None, FP8=fp8, FP8_MAX=FP8_E4M3_MAX, HEADS=heads,
-            num_warps=1)
+    if rows and heads is None:
+        _rotary_rows_kernel[(num_tokens, triton.cdiv(all_heads, rows))](*args, **consts, ROWS_=rows,
+                                                                         num_warps=rows)
+    else:
+        heads = min(heads or heads_per_program(num_tokens), all_heads)
+        _rotary_kernel[(num_tokens, triton.cdiv(all_heads, heads))](*args, **consts, HEADS=heads, num_warps=1)
     return q_out, k_out
 
 

@@ -103,6 +103,24 @@ def test_qk_norm_rotary_equals_the_three_kernels_bit_for_bit():
             assert (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
 
 
+def decode_step_inputs(tokens: int):
+    """Qwen3-0.6B's rotary table, q / k / v as strided views of a qkv projection (16 + 8 + 8 heads),
+    positions, and cache slots for `tokens` tokens, two of them CUDA-graph padding (-1)."""
+    from kvmesh.worker.layers import rotary
+    from kvmesh.worker.presets import hf_config_for
+
+    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
+    heads, kv_heads = 16, 8
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda") * 3
+    q = qkv[:, :heads * 128].view(tokens, heads, 128)
+    k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(tokens, kv_heads, 128)
+    v = qkv[:, (heads + kv_heads) * 128:].view(tokens, kv_heads, 128)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    slots = torch.randperm(40 * 16, device="cuda")[:tokens]
+    slots[[3, 17]] = -1
+    return emb, q, k, v, positions, slots
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("normed", [False, True])
 def test_rotate_and_store_writes_the_bytes_of_the_rotation_then_store_kvcache(cache_dtype, normed):
@@ -110,18 +128,9 @@ def test_rotate_and_store_writes_the_bytes_of_the_rotation_then_store_kvcache(ca
     byte for byte as kvmesh's store kernel after it (FP8: the same scaling and clamp), padding skipped."""
     from kvmesh.kernels.rotary import apply_qk_norm_rotary, apply_rotary, rotate_and_store
     from kvmesh.kernels.store_kvcache import store_kvcache
-    from kvmesh.worker.layers import rotary
-    from kvmesh.worker.presets import hf_config_for
 
-    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
-    heads, kv_heads, tokens = 16, 8, 53
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda") * 3
-    q = qkv[:, :heads * 128].view(tokens, heads, 128)
-    k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(tokens, kv_heads, 128)
-    v = qkv[:, (heads + kv_heads) * 128:].view(tokens, kv_heads, 128)
-    positions = torch.randint(0, 4096, (tokens,), device="cuda")
-    slots = torch.randperm(40 * 16, device="cuda")[:tokens]
-    slots[[3, 17]] = -1  # CUDA-graph padding rows
+    emb, q, k, v, positions, slots = decode_step_inputs(53)
+    kv_heads = 8
     norm = tuple(torch.randn(128, dtype=torch.bfloat16, device="cuda") for _ in range(2)) + (1e-6,) if normed else None
     fused = [torch.zeros(40, 16, kv_heads, 128, dtype=cache_dtype, device="cuda") for _ in range(2)]
     apart = [torch.zeros_like(c) for c in fused]
@@ -141,18 +150,9 @@ def test_the_heads_as_rows_of_one_tile_write_the_bits_of_one_head_a_program(rows
     K / V with `rows` heads a program as one tile, at a decode step's shape (256 tokens, Qwen3-0.6B's
     16 + 8 heads), equals one head a program bit for bit: q, and the cache's bytes."""
     from kvmesh.kernels.rotary import _launch
-    from kvmesh.worker.layers import rotary
-    from kvmesh.worker.presets import hf_config_for
 
-    emb = rotary.RotaryEmbedding(hf_config_for("qwen3-0.6b"), 128, 4096).cuda()
-    heads, kv_heads, tokens = 16, 8, 256
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 128, dtype=torch.bfloat16, device="cuda") * 3
-    q = qkv[:, :heads * 128].view(tokens, heads, 128)
-    k = qkv[:, heads * 128:(heads + kv_heads) * 128].view(tokens, kv_heads, 128)
-    v = qkv[:, (heads + kv_heads) * 128:].view(tokens, kv_heads, 128)
-    positions = torch.randint(0, 4096, (tokens,), device="cuda")
-    slots = torch.randperm(40 * 16, device="cuda")[:tokens]
-    slots[[3, 17]] = -1
+    emb, q, k, v, positions, slots = decode_step_inputs(256)
+    kv_heads = 8
     norm = (torch.randn(128, dtype=torch.bfloat16, device="cuda"),
             torch.randn(128, dtype=torch.bfloat16, device="cuda"), 1e-6)
     outs = []
