@@ -163,6 +163,15 @@ def run_client(args) -> int:
     return 1
 
 
+def _thinking(text: str | None, said: list) -> None:
+    """A reasoning model's thinking (server.reasoning_parser) goes to stderr as it streams, so
+    stdout holds the answer alone; `said` remembers that some did (a line end follows it)."""
+    if text:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        said[:] = [True]
+
+
 def _stream_client(args) -> int:
     from kvmesh.cluster.client import grpc_stream, http_stream
 
@@ -171,11 +180,12 @@ def _stream_client(args) -> int:
     api_key = args.api_key or os.environ.get("KVMESH_API_KEY")
     messages = None if args.raw else [{"role": "user", "content": args.prompt}]
     prompt = args.prompt if args.raw else None
-    finish, usage = None, None
+    finish, usage, thought = None, None, []
     if args.grpc:
         for msg in grpc_stream(args.target, prompt=prompt, messages=messages,
                                max_tokens=args.max_tokens, temperature=args.temperature,
                                seed=args.seed, api_key=api_key):
+            _thinking(msg.reasoning, thought)
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             if msg.finish_reason:
@@ -188,6 +198,7 @@ def _stream_client(args) -> int:
                                  max_tokens=args.max_tokens, temperature=args.temperature,
                                  seed=args.seed, api_key=api_key):
             for choice in chunk.get("choices", []):
+                _thinking(choice.get("delta", {}).get("reasoning"), thought)
                 text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
                 sys.stdout.write(text or "")
                 sys.stdout.flush()
@@ -197,6 +208,8 @@ def _stream_client(args) -> int:
                 usage = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
                          "cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
     print()
+    if thought:
+        print(file=sys.stderr)
     print(f"[finish_reason={finish} usage={usage}]", file=sys.stderr)
     return 0 if finish != "error" else 1
 
