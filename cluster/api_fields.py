@@ -49,7 +49,6 @@ REFUSED: dict[str, Refused] = {
     "service_tier": _refused("service tiers are not supported", no_op=(None, "auto", "default")),
     "web_search_options": _refused("web search is not supported", {CHAT}),
     "prediction": _refused("predicted outputs are not supported", {CHAT}),
-    "reasoning_effort": _refused("reasoning effort is not supported", {CHAT}),
     "verbosity": _refused("verbosity is not supported", {CHAT}),
     "safety_identifier": _refused("safety_identifier is not supported"),
     # vLLM's chat template and prompt handling

@@ -137,6 +137,10 @@ class ChatCompletionRequest(_Request):
     # vLLM's: with server.reasoning_parser, false leaves the thinking block's text out of the
     # answer (its `reasoning` field is null; the content is the same)
     include_reasoning: bool = True
+    # OpenAI's, as vLLM takes it: a chat template variable `reasoning_effort`, and
+    # `enable_thinking` (false for "none") unless chat_template_kwargs sets it
+    # (openai_request.template_options)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 class CompletionRequest(_Request):

@@ -13,10 +13,14 @@ from kvmesh.worker.chat_template import TemplateOptions
 
 def template_options(req, tokenizer, messages: list[dict]) -> TemplateOptions:
     """How a chat request (or /tokenize's) applies the chat template: add_generation_prompt,
-    continue_final_message, chat_template_kwargs, add_special_tokens, chat_template, documents;
-    ApiError(400) naming the field of a bad one.
+    continue_final_message, chat_template_kwargs, add_special_tokens, chat_template, documents,
+    and OpenAI's reasoning_effort as vLLM renders it (the template variable, and enable_thinking
+    false for "none" unless chat_template_kwargs says otherwise); ApiError(400) naming the field of
+    a bad one.
     A kwarg's value is the template's own text once rendered: it may hold no control token."""
     kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    if (effort := getattr(req, "reasoning_effort", None)) is not None:  # vLLM's mapping
+        kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **kwargs}
     template, documents = getattr(req, "chat_template", None), getattr(req, "documents", None)
     if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
         raise ApiError(400, f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, got {len(template)}",

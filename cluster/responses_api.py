@@ -6,7 +6,7 @@ string, or a list of messages whose content is a string or input_text / output_t
 (text, json_object, json_schema: the chat's response_format), `user`, `stream`, the token logprobs
 of `include: ["message.output_text.logprobs"]` with `top_logprobs` alternatives, and vLLM's
 sampling fields (seed, stop, top_k, min_p, penalties), `priority`, `cache_salt`, `structured_outputs`,
-`include_reasoning` and `chat_template_kwargs`. Function `tools`, `tool_choice` and
+`include_reasoning` and `chat_template_kwargs`; `reasoning.effort` is the chat's reasoning_effort. Function `tools`, `tool_choice` and
 `parallel_tool_calls` are the chat's (its parsers and grammars, cluster/tool_calls.py), and
 `function_call` / `function_call_output` input items are an assistant's tool calls and their tool
 messages; `reasoning` input items (an earlier answer's thinking sent back) are taken and not
@@ -14,7 +14,7 @@ rendered. With the server's store on (`server.responses_store`, cluster/response
 `store: true` keeps the response with its input items (`input_items`, listed by `item_page`),
 `background: true` (stored) answers at once and runs on in the ingress (cluster/ingress.py), and
 `previous_response_id` runs the request after a stored response's conversation. What it cannot honour is refused with a 400 naming the field: other tool
-types, `store: true` and `previous_response_id` with the store off, `reasoning`, other `include`s,
+types, `store: true` and `previous_response_id` with the store off, other `include`s,
 `truncation: "auto"`, image / file / audio parts, other input items, and any unknown field.
 
 Its answer is a `response` object (`response_body`) whose output is, on a server with a reasoning
@@ -87,8 +87,7 @@ def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> di
     if body.get("previous_response_id") is not None and earlier is None:
         raise _bad("previous_response_id", "responses are not stored on this server "
                    "(server.responses_store is 0), so none can be continued; send the conversation in input")
-    if body.get("reasoning") is not None:
-        raise _bad("reasoning", "the served model has no reasoning settings")
+    effort = _reasoning_effort(body.get("reasoning"))
     if body.get("truncation") not in (None, "disabled"):
         raise _bad("truncation", "only \"disabled\": an input longer than the context is refused")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
@@ -117,6 +116,8 @@ def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> di
     for name in ("temperature", "top_p", "user", "prompt_cache_key", *SAMPLING_EXTRAS, *VLLM_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     if (fmt := _response_format(body.get("text"))) is not None:
         chat["response_format"] = fmt
     if body.get("stream") is not None:
@@ -124,6 +125,30 @@ def chat_body(body: Any, earlier: list | None = None, store: bool = False) -> di
             raise _bad("stream", "a boolean")
         chat["stream"] = body["stream"]
     return chat
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+SUMMARIES = (None, "auto", "concise", "detailed")
+
+
+def _reasoning_effort(reasoning: Any) -> str | None:
+    """OpenAI's `reasoning` settings: `effort` goes to the chat as its reasoning_effort (a template
+    variable, and enable_thinking false for "none", as vLLM renders it); a `summary` is taken, but
+    no summary is written (a reasoning item's `summary` stays empty: its `content` is the thinking
+    itself)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise _bad("reasoning", "an object of effort and summary")
+    for key in reasoning:
+        if key not in ("effort", "summary", "generate_summary"):
+            raise _bad(f"reasoning.{key}", "not a reasoning setting here (effort, summary)")
+    if reasoning.get("effort") not in (None, *EFFORTS):
+        raise _bad("reasoning.effort", f"one of {', '.join(EFFORTS)}")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) not in SUMMARIES:
+            raise _bad(f"reasoning.{key}", "auto, concise or detailed")
+    return reasoning.get("effort")
 
 
 def _logprobs(body: dict, calls_possible: bool) -> int | None:
@@ -345,7 +370,8 @@ class ResponseShaper:
                 "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "model": self.model, "output": output,
                 "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+                "previous_response_id": body.get("previous_response_id"),
+                "reasoning": _reasoning_echo(body.get("reasoning")),
                 "store": self.stored, "temperature": body.get("temperature", 1.0),
                 "top_logprobs": body.get("top_logprobs", 0),
                 "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
@@ -368,6 +394,13 @@ class ResponseShaper:
         """An output_text part; `logprobs`: the chat's entries of its tokens (token, logprob, bytes,
         top_logprobs), which are the Responses API's too."""
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _reasoning_echo(reasoning: dict | None) -> dict | None:
+    """The response's `reasoning`: the request's settings (checked by chat_body)."""
+    if not isinstance(reasoning, dict):
+        return None
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:

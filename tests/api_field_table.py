@@ -78,7 +78,9 @@ ROWS = [
     Row("metadata", {"k": "v"}, "refused", (CHAT,), source="openai"),
     Row("web_search_options", {}, "refused", (CHAT,), source="openai"),
     Row("prediction", {"type": "content", "content": "x"}, "refused", (CHAT,), source="openai"),
-    Row("reasoning_effort", "low", "refused", (CHAT,), source="openai"),
+    # a template variable, and enable_thinking false for "none" (vLLM's): the random presets'
+    # template has Qwen3's switch
+    Row("reasoning_effort", "none", "check", (CHAT,), source="openai"),
     Row("verbosity", "low", "refused", (CHAT,), source="openai"),
     # ---- vLLM's extra sampling fields ----
     Row("top_k", 1, "check", base=SAMPLED),  # equals greedy

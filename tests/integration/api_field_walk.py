@@ -188,6 +188,22 @@ def check_template_option(url, kind, row):
     assert status == 200 and counted["count"] == prompt_tokens, counted
 
 
+def check_reasoning_effort(url, kind, row):
+    """OpenAI's reasoning_effort as vLLM renders it: "none" switches thinking off in the template
+    (the prompt of enable_thinking false), another effort leaves it on, and chat_template_kwargs'
+    own enable_thinking wins."""
+    def prompt(**fields):
+        return served_chat(url, MESSAGES, return_token_ids=True, **fields)[2]["prompt_token_ids"]
+
+    off, plain = prompt(chat_template_kwargs={"enable_thinking": False}), prompt()
+    assert off != plain
+    assert prompt(reasoning_effort=row.value) == off
+    assert prompt(reasoning_effort="high") == plain
+    assert prompt(reasoning_effort=row.value, chat_template_kwargs={"enable_thinking": True}) == plain
+    status, err = post(url, PATHS[kind], body(kind, reasoning_effort="lots"))
+    assert (status, err["error"]["param"]) == (400, "reasoning_effort"), err
+
+
 def check_chat_echo(url, kind, row):
     """vLLM's: the final message's content leads the answer when it is the answer's role (here
     the assistant's turn, continued); streamed, it is the first content chunk."""
@@ -366,7 +382,7 @@ CHECKS = {
     "model": check_model, "max_tokens": check_max_tokens, "max_completion_tokens": check_max_tokens,
     "top_p": check_equals_greedy, "top_k": check_equals_greedy, "min_p": check_equals_greedy,
     "stream": check_stream, "stream_options": check_stream_options, "user": check_same_answer, "prompt_cache_key": check_same_answer, "add_special_tokens": check_same_answer, "documents": check_same_answer,
-    "include_reasoning": check_same_answer,
+    "include_reasoning": check_same_answer, "reasoning_effort": check_reasoning_effort,
     "chat_template": check_untrusted_chat_template,
     "prompt": check_prompts, "messages": check_messages,
     ("logprobs", "completion"): check_completion_logprobs, ("logprobs", CHAT): check_chat_logprobs,

@@ -53,7 +53,10 @@ def test_text_format_is_the_chats_response_format(text, expected):
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "lots"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "low", "summary": "long"}}, "reasoning.summary"),
+    ({"reasoning": {"budget": 100}}, "reasoning.budget"),
+    ({"reasoning": "low"}, "reasoning"),
     ({"include": ["reasoning.encrypted_content"]}, "include.0"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
     ({"include": "message.output_text.logprobs"}, "include"),
@@ -421,3 +424,14 @@ def test_a_reasoning_item_sent_back_is_taken_and_not_rendered():
                                               {"role": "user", "content": "c"}]})
     assert chat["messages"] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                                 {"role": "user", "content": "c"}]
+
+
+def test_reasoning_effort_is_the_chats_and_the_response_echoes_the_settings():
+    """docs/SERVING.md "Reasoning models": OpenAI's reasoning.effort on /v1/responses is the chat's
+    reasoning_effort; a summary is taken (none is written)."""
+    body = {"model": "m", "input": "x", "reasoning": {"effort": "none", "summary": "auto"}}
+    assert chat_body(body)["reasoning_effort"] == "none"
+    assert "reasoning_effort" not in chat_body({"model": "m", "input": "x", "reasoning": {"summary": "auto"}})
+    shaper = ResponseShaper(body, "m", 0)
+    assert shaper.response("completed", [])["reasoning"] == {"effort": "none", "summary": "auto"}
+    assert ResponseShaper({"model": "m", "input": "x"}, "m", 0).response("completed", [])["reasoning"] is None
