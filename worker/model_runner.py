@@ -79,6 +79,19 @@ class ModelRunner:
                                                  self.max_blocks_per_seq, max_model_len, device,
                                                  kv_scales=self.kv_scales)
             self.graph_runner.capture()
+            if os.environ.get("KVMESH_WARM_LOGITS", "1") != "0":
+                self.warm_up_logits(max_num_seqs)
+
+    @torch.inference_mode()
+    def warm_up_logits(self, max_rows: int) -> None:
+        """The LM head at every decode batch size (it runs outside the graphs, on the real rows):
+        cuBLAS picks its kernel by the row count, and the first use of each costs the step that
+        meets it ~0.3-0.5 ms (offline, as the batch shrinks: pairs of slow steps near multiples
+        of 8; docs/PERF.md "What limits it")."""
+        hidden = torch.zeros(max_rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(1, max_rows + 1):
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def warm_up_prompt_steps(self, max_tokens: int) -> list[tuple[int, int]]:

@@ -146,7 +146,8 @@ def test_a_response_has_the_reasoning_item_before_the_message_whole_and_streamed
     """/v1/responses (vLLM's structured_outputs and include_reasoning fields pass through): the
     thinking block is a reasoning item, the official client's `output_text` the content; streamed,
     response.reasoning_text.delta events join to the same text; a reasoning item sent back as
-    input is taken and not rendered (the same answer as without it)."""
+    input is taken and not rendered (the same answer as without it); chat_template_kwargs and
+    reasoning.effort "none" switch thinking off."""
     whole = chat(cluster, THINKING)["choices"][0]["message"]
     kwargs = dict(model=MODEL, input=ASK[0]["content"], max_output_tokens=120, temperature=0,
                   extra_body={"structured_outputs": {"regex": THINKING}})
@@ -172,3 +173,9 @@ def test_a_response_has_the_reasoning_item_before_the_message_whole_and_streamed
         {"role": "user", "content": "Earlier question."}, {"role": "assistant", "content": "Earlier answer."},
         {"role": "user", "content": ASK[0]["content"]}]})
     assert replayed.output_text == plain.output_text
+    # thinking switched off in the prompt, by chat_template_kwargs or by reasoning.effort "none": the
+    # block the regex still makes is content
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning": {"effort": "none"}}):
+        off = openai_client.responses.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], **extra}})
+        assert [item.type for item in off.output] == ["message"], extra
+        assert off.output_text.startswith("<think>"), extra
