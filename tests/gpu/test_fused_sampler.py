@@ -69,7 +69,9 @@ def test_the_general_path_keeps_what_the_kernel_does_not_do():
 
 def test_the_pick_kernel_compiles_one_form_whatever_the_seed():
     """A new seed each step: one compiled form serves them all (Triton specializes integer arguments
-    on divisibility by 16 unless told not to, and would compile again inside a run)."""
+    on divisibility by 16 unless told not to, and would compile again inside a run). Counted from
+    this test's first call: earlier tests in the process may have compiled forms of other shapes
+    (a whole tests/gpu run on an H100, s38: 2 before, 2 after)."""
     from kvmesh.kernels.sample import _sample_pick_kernel, sample_from_logits
 
     logits = torch.randn(4, VOCAB, device="cuda", dtype=torch.bfloat16)
@@ -83,4 +85,4 @@ def test_the_pick_kernel_compiles_one_form_whatever_the_seed():
     for seed in (16, 17, 32, 1, 2**30):
         sample_from_logits(logits, inv_temperature, seed)
     torch.cuda.synchronize()
-    assert forms() == before == 1, (before, forms())
+    assert forms() == before, (before, forms())
