@@ -110,10 +110,8 @@ async def sse_tool_body(stream: DeltaStream, shaper: Shaper, include_usage: bool
         async for delta in stream:
             parser = parsers.setdefault(delta.index, tool_parser.ToolStream(tools))
             ended = delta.finish_reason is not None  # this sequence's end
-            text, pieces = delta.text, []
-            if reasoning is not None:
-                thought, text = reasoning.piece(delta.index, text, ended)
-                pieces = [{"reasoning": thought}] if thought else []
+            pieces, text = (reasoning.pieces(delta.index, delta.text, ended) if reasoning is not None
+                            else ([], delta.text))
             pieces += parser.feed(text)
             if ended:
                 pieces += parser.finish()

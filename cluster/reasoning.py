@@ -58,19 +58,22 @@ class ReasoningParser:
         """Whether structured outputs wait for `</think>`: unless the prompt's reasoning ended."""
         return self._last_marker(prompt_ids) != self.end_id
 
-    def stream(self, prompt_ids) -> "ReasoningStream":
+    def opening(self, prompt_ids) -> tuple[str, str]:
+        """An output's first state after this prompt, and the state it takes when it does not
+        open with <think> (ReasoningStream's arguments): the prompt is read once per request."""
         last = self._last_marker(prompt_ids)
         if last == self.end_id:
-            return ReasoningStream(state="content")
+            return "content", "content"
         in_block = last == self.start_id or self.name == "deepseek_r1"
-        return ReasoningStream(state="opening", without_start="reasoning" if in_block else "content")
+        return "opening", "reasoning" if in_block else "content"
+
+    def stream(self, prompt_ids) -> "ReasoningStream":
+        return ReasoningStream(*self.opening(prompt_ids))
 
     def split(self, text: str, prompt_ids) -> tuple[str | None, str | None]:
         """A whole output's (reasoning, content); reasoning None when the output has no block,
         content None when nothing follows it."""
-        stream = self.stream(prompt_ids)
-        parts = [stream.feed(text), stream.finish()]
-        return stream.joined(parts)
+        return self.stream(prompt_ids).whole(text)
 
 
 class ReasoningStream:
@@ -115,6 +118,10 @@ class ReasoningStream:
             self.entered_reasoning = self.state == "reasoning"
         return (held, "") if self.state == "reasoning" else ("", held)
 
+    def whole(self, text: str) -> tuple[str | None, str | None]:
+        """A whole output read at once (a fresh stream's only piece), joined."""
+        return self.joined([self.feed(text), self.finish()])
+
     def joined(self, parts) -> tuple[str | None, str | None]:
         reasoning = "".join(r for r, _ in parts)
         content = "".join(c for _, c in parts)
@@ -150,11 +157,12 @@ class ChatReasoning:
     include_reasoning; false, the reasoning parts are dropped (the content is the same)."""
 
     def __init__(self, parser: ReasoningParser, prompt_ids, include: bool = True):
-        self.parser, self.prompt_ids, self.include = parser, list(prompt_ids), include
+        self.opening = parser.opening(prompt_ids)  # the same for every choice
+        self.include = include
         self._streams: dict[int, ReasoningStream] = {}
 
     def whole(self, text: str) -> tuple[str | None, str | None]:
-        reasoning, content = self.parser.split(text, self.prompt_ids)
+        reasoning, content = ReasoningStream(*self.opening).whole(text)
         return (reasoning if self.include else None), content
 
     def piece(self, index: int, text: str, ended: bool) -> tuple[str, str]:
@@ -162,9 +170,15 @@ class ChatReasoning:
         releases what was held back."""
         stream = self._streams.get(index)
         if stream is None:
-            stream = self._streams[index] = self.parser.stream(self.prompt_ids)
+            stream = self._streams[index] = ReasoningStream(*self.opening)
         reasoning, content = stream.feed(text)
         if ended:
             more = stream.finish()
             reasoning, content = reasoning + more[0], content + more[1]
         return (reasoning if self.include else ""), content
+
+    def pieces(self, index: int, text: str, ended: bool) -> tuple[list[dict], str]:
+        """`piece` as a streamed chat's delta pieces: the reasoning's (none when it has no text),
+        and the content's text, which the caller reads on (for tool calls, or as content)."""
+        reasoning, content = self.piece(index, text, ended)
+        return ([{"reasoning": reasoning}] if reasoning else []), content

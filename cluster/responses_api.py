@@ -538,10 +538,8 @@ async def sse_events(stream, shaper: ResponseShaper, tools=None, logprobs_of=Non
         last = None
         async for delta in stream:
             last = delta
-            text, pieces = delta.text, []
-            if reasoning is not None:
-                said, text = reasoning.piece(delta.index, text, delta.finish_reason is not None)
-                pieces = [{"reasoning": said}] if said else []
+            pieces, text = (reasoning.pieces(delta.index, delta.text, delta.finish_reason is not None)
+                            if reasoning is not None else ([], delta.text))
             pieces += parser.feed(text) if parser is not None else [{"content": text}]
             if parser is not None and delta.finish_reason is not None:
                 pieces += parser.finish()

@@ -163,8 +163,8 @@ class Engine:
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", list(params.logit_bias or ())),
                           ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("reasoning_end_token_id", [t for t in (params.reasoning_end_token_id,)
-                                                      if t is not None])):
+                          ("reasoning_end_token_id", [] if params.reasoning_end_token_id is None
+                                                     else [params.reasoning_end_token_id])):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} must be token ids in [0, {vocab}), got {max(ids)}")
 

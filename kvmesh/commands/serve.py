@@ -163,13 +163,13 @@ def run_client(args) -> int:
     return 1
 
 
-def _thinking(text: str | None, said: list) -> None:
+def _thinking(text: str | None) -> bool:
     """A reasoning model's thinking (server.reasoning_parser) goes to stderr as it streams, so
-    stdout holds the answer alone; `said` remembers that some did (a line end follows it)."""
+    stdout holds the answer alone; whether some did (a line end follows it)."""
     if text:
         sys.stderr.write(text)
         sys.stderr.flush()
-        said[:] = [True]
+    return bool(text)
 
 
 def _stream_client(args) -> int:
@@ -180,12 +180,12 @@ def _stream_client(args) -> int:
     api_key = args.api_key or os.environ.get("KVMESH_API_KEY")
     messages = None if args.raw else [{"role": "user", "content": args.prompt}]
     prompt = args.prompt if args.raw else None
-    finish, usage, thought = None, None, []
+    finish, usage, thought = None, None, False
     if args.grpc:
         for msg in grpc_stream(args.target, prompt=prompt, messages=messages,
                                max_tokens=args.max_tokens, temperature=args.temperature,
                                seed=args.seed, api_key=api_key):
-            _thinking(msg.reasoning, thought)
+            thought |= _thinking(msg.reasoning)
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             if msg.finish_reason:
@@ -198,7 +198,7 @@ def _stream_client(args) -> int:
                                  max_tokens=args.max_tokens, temperature=args.temperature,
                                  seed=args.seed, api_key=api_key):
             for choice in chunk.get("choices", []):
-                _thinking(choice.get("delta", {}).get("reasoning"), thought)
+                thought |= _thinking(choice.get("delta", {}).get("reasoning"))
                 text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
                 sys.stdout.write(text or "")
                 sys.stdout.flush()
